@@ -1,0 +1,253 @@
+"""Configuration and flag validation for ``--enable-kv-offload``.
+
+Pure Python: ``ServerArgs.check_server_args`` calls :func:`validate_server_args` only when the flag (or
+``--kv-offload-config``) is given, so the default path never imports this package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Dict, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+PAGE_SIZE = 64
+"""NSA's KV page size on CUDA; host allocation and sparse slot grants are aligned to it."""
+
+# Decode attention kernels that read flat token-slot indices into an arbitrary KV tensor, by the KV
+# cache dtype they accept. trtllm/tilelang/aiter transform top-k themselves or run on other hardware.
+SUPPORTED_DECODE_BACKENDS = {
+    "fp8_e4m3": ("flashmla_kv",),
+    "bfloat16": ("fa3", "flashmla_sparse"),
+}
+
+
+class KVOffloadConfigError(ValueError):
+    """A rejected ``--enable-kv-offload`` setting; the message names the flag and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVOffloadConfig:
+    """Settings parsed from ``--kv-offload-config``.
+
+    Attributes:
+        sparse_slots_per_req: GPU sparse KV slots (tokens) a request may hold per layer. A request
+            is granted ``min(sparse_slots_per_req, context)`` slots, page-aligned. Must be a multiple
+            of 64 and at least the model's ``index_topk``.
+        sparse_pool_slots: total sparse slots shared by all requests; 0 sizes the pool from the GPU
+            memory left after the index buffer (decided when pools are built).
+        host_pool_size_gb: pinned host pool size in GB; 0 means use ``host_pool_ratio``.
+        host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
+        pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
+        h2d_num_programs: fixed grid of the per-layer H2D gather kernel; 0 picks one per GPU.
+        backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
+            bounds how long one backup occupies the copy path.
+    """
+
+    sparse_slots_per_req: int = 4096
+    sparse_pool_slots: int = 0
+    host_pool_size_gb: float = 0.0
+    host_pool_ratio: float = 4.0
+    pin_host_memory: bool = True
+    h2d_num_programs: int = 0
+    backup_chunk_tokens: int = 8192
+
+    @classmethod
+    def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
+        """Parse and validate ``--kv-offload-config`` (a JSON object string, or a dict)."""
+        if text is None or (isinstance(text, str) and not text.strip()):
+            return cls()
+        if isinstance(text, str):
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise KVOffloadConfigError(
+                    f"--kv-offload-config is not valid JSON ({exc.msg} at position {exc.pos}). "
+                    'Pass an object such as \'{"sparse_slots_per_req": 4096}\'.'
+                ) from None
+        else:
+            raw = text
+        if not isinstance(raw, dict):
+            raise KVOffloadConfigError(
+                f"--kv-offload-config must be a JSON object, got {type(raw).__name__}. "
+                'Pass an object such as \'{"sparse_slots_per_req": 4096}\'.'
+            )
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise KVOffloadConfigError(
+                f"--kv-offload-config has unknown key(s) {unknown}. "
+                f"Valid keys: {sorted(fields)}."
+            )
+        values = {}
+        for key, value in raw.items():
+            values[key] = _coerce(key, value, fields[key].type)
+        if "host_pool_size_gb" in raw and "host_pool_ratio" in raw:
+            raise KVOffloadConfigError(
+                "--kv-offload-config sets both host_pool_size_gb and host_pool_ratio; "
+                "set only one of them."
+            )
+        config = cls(**values)
+        config.check()
+        return config
+
+    def check(self, index_topk: Optional[int] = None) -> None:
+        """Range checks; ``index_topk`` is the model's top-k when known."""
+        _require(
+            self.sparse_slots_per_req > 0 and self.sparse_slots_per_req % PAGE_SIZE == 0,
+            f"sparse_slots_per_req={self.sparse_slots_per_req} must be a positive multiple of "
+            f"{PAGE_SIZE}; use e.g. 4096",
+        )
+        if index_topk is not None:
+            _require(
+                self.sparse_slots_per_req >= index_topk,
+                f"sparse_slots_per_req={self.sparse_slots_per_req} is smaller than the model's "
+                f"index_topk={index_topk}: every selected token needs a slot; set it to at least "
+                f"{_round_up(index_topk, PAGE_SIZE)}",
+            )
+        _require(
+            self.sparse_pool_slots >= 0 and self.sparse_pool_slots % PAGE_SIZE == 0,
+            f"sparse_pool_slots={self.sparse_pool_slots} must be 0 (auto) or a positive multiple "
+            f"of {PAGE_SIZE}",
+        )
+        _require(
+            self.sparse_pool_slots == 0 or self.sparse_pool_slots >= self.sparse_slots_per_req,
+            f"sparse_pool_slots={self.sparse_pool_slots} cannot hold even one request of "
+            f"sparse_slots_per_req={self.sparse_slots_per_req}; raise it or use 0 (auto)",
+        )
+        _require(
+            self.host_pool_size_gb >= 0,
+            f"host_pool_size_gb={self.host_pool_size_gb} must be >= 0 (0 uses host_pool_ratio)",
+        )
+        _require(
+            self.host_pool_ratio >= 1.0,
+            f"host_pool_ratio={self.host_pool_ratio} must be >= 1: the host pool holds the full KV "
+            "of every logical token on the device",
+        )
+        _require(
+            self.h2d_num_programs >= 0,
+            f"h2d_num_programs={self.h2d_num_programs} must be >= 0 (0 picks one per GPU)",
+        )
+        _require(
+            self.backup_chunk_tokens > 0 and self.backup_chunk_tokens % PAGE_SIZE == 0,
+            f"backup_chunk_tokens={self.backup_chunk_tokens} must be a positive multiple of "
+            f"{PAGE_SIZE}",
+        )
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise KVOffloadConfigError(f"--kv-offload-config: {message}.")
+
+
+def _coerce(key: str, value: Any, type_name: Any) -> Any:
+    type_name = getattr(type_name, "__name__", type_name)
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+    elif type_name == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif type_name == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    raise KVOffloadConfigError(
+        f"--kv-offload-config: {key} must be a JSON {'number' if type_name == 'float' else type_name}"
+        f", got {json.dumps(value)}."
+    )
+
+
+def _reject(message: str) -> None:
+    raise KVOffloadConfigError(f"--enable-kv-offload: {message}")
+
+
+def validate_server_args(server_args) -> KVOffloadConfig:
+    """Reject flag combinations that kv offload does not support; return the parsed config.
+
+    Called from ``ServerArgs.check_server_args`` when ``--enable-kv-offload`` or
+    ``--kv-offload-config`` is set.
+    """
+    if not server_args.enable_kv_offload:
+        raise KVOffloadConfigError(
+            "--kv-offload-config was given without --enable-kv-offload; add --enable-kv-offload "
+            "or drop --kv-offload-config."
+        )
+    config = KVOffloadConfig.from_json(server_args.kv_offload_config)
+
+    from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
+
+    hf_config = server_args.get_model_config().hf_config
+    if not is_deepseek_nsa(hf_config):
+        arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
+        _reject(
+            f"the model ({arch}) is not an NSA/DSA sparse-attention model (no index_topk in its "
+            "config). kv offload needs DeepSeek-V3.2-style sparse attention; drop the flag for this "
+            "model."
+        )
+    config.check(index_topk=get_nsa_index_topk(hf_config))
+
+    backends = {
+        "--attention-backend": server_args.attention_backend,
+        "--prefill-attention-backend": server_args.prefill_attention_backend,
+        "--decode-attention-backend": server_args.decode_attention_backend,
+    }
+    for flag, backend in backends.items():
+        if backend is not None and backend != "nsa":
+            _reject(f"{flag} is {backend!r}; kv offload runs in the NSA backend. Use {flag} nsa.")
+    if server_args.page_size != PAGE_SIZE:
+        _reject(
+            f"--page-size is {server_args.page_size}; the NSA index buffer and host pages are laid "
+            f"out in pages of {PAGE_SIZE}. Use --page-size {PAGE_SIZE}."
+        )
+
+    exclusive = {
+        "enable_hisparse": "--enable-hisparse",
+        "disaggregation_decode_enable_offload_kvcache": "--disaggregation-decode-enable-offload-kvcache",
+        "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    }
+    for attr, flag in exclusive.items():
+        if getattr(server_args, attr, False):
+            _reject(
+                f"cannot be combined with {flag}: both move decode KV to the host and would own the "
+                f"same pool. Drop one of the two."
+            )
+    if server_args.speculative_algorithm is not None:
+        _reject(
+            f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm}) "
+            "is not supported yet: draft tokens would need their own sparse slots. Drop "
+            "--speculative-algorithm or the offload flag."
+        )
+    if server_args.enable_dp_attention:
+        _reject(
+            "DP attention (--enable-dp-attention) is not supported yet: the host pool and the "
+            "sparse slot pool are per attention-TP group. Drop --enable-dp-attention."
+        )
+    if server_args.disaggregation_mode == "prefill":
+        _reject(
+            "this is a prefill server (--disaggregation-mode prefill), which never decodes. Put "
+            "--enable-kv-offload on the decode server only."
+        )
+    if server_args.disaggregation_mode == "null" and not server_args.disable_radix_cache:
+        _reject(
+            "the radix cache shares prompt KV between requests, but offloaded KV is owned by one "
+            "request. Add --disable-radix-cache (PD decode servers disable it already)."
+        )
+
+    kv_dtype = server_args.kv_cache_dtype
+    decode_backend = server_args.nsa_decode_backend
+    if kv_dtype in SUPPORTED_DECODE_BACKENDS and decode_backend is not None:
+        allowed = SUPPORTED_DECODE_BACKENDS[kv_dtype]
+        if decode_backend not in allowed:
+            _reject(
+                f"--nsa-decode-backend {decode_backend} is not supported with --kv-cache-dtype "
+                f"{kv_dtype}: it must read flat sparse-slot indices. Use --nsa-decode-backend "
+                f"{' or '.join(allowed)}."
+            )
+    logger.info("kv offload enabled: %s", config)
+    return config

@@ -1,0 +1,601 @@
+#!/usr/bin/env python3
+"""Build, refresh and check the patched SGLang tree for kv_offload.
+
+The project keeps three things: the pinned upstream base (``patches/base``), new code laid out like the
+upstream repo (the overlay under ``python/``), and an ordered series of small diffs to existing upstream
+files (``patches/series``). This tool turns them into a patched SGLang tree and back:
+
+* ``build``   fetch the pinned sdist (sha256-checked), unpack it into ``build/sglang/python`` as a pristine
+              git base, apply the series (one commit per patch), link the overlay in and install the tree
+              editable into the project venv (``.venv``), creating the venv when needed. Idempotent.
+* ``refresh`` regenerate ``patches/`` from the build tree: uncommitted edits go into the patch named by
+              ``--into`` or into a new one (``--new``); every patch is rewritten from its commit.
+* ``check``   prove that the series applies to a pristine base and that the overlay shadows no upstream
+              file, and print the footprint.
+
+Only the standard library is used, so the tool runs with any Python 3.9+ before the venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES = ROOT / "patches"
+OVERLAY = ROOT / "python"
+ENV_DIR = ROOT / "scripts" / "env"
+DEFAULT_BUILD = ROOT / "build"
+DEFAULT_VENV = ROOT / ".venv"
+CACHE = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cache" / "kv-offload"))
+
+UV_VERSION = "0.13.9"
+TORCH_VERSION = "2.13.0"  # the CPU wheel on this machine kind's disk
+TRITON_VERSION = "3.8.0"
+GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
+PATCH_TRAILER = "Patch-File:"
+
+
+class TreeError(RuntimeError):
+    """A failure the user can act on; printed without a traceback."""
+
+
+def log(msg: str) -> None:
+    print(f"[kv_offload_tree] {msg}", flush=True)
+
+
+def run(cmd: Sequence[str], cwd: Optional[Path] = None, check: bool = True, env=None):
+    res = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, text=True, capture_output=True
+    )
+    if check and res.returncode != 0:
+        raise TreeError(
+            f"command failed ({res.returncode}): {' '.join(map(str, cmd))}\n{res.stdout}{res.stderr}"
+        )
+    return res
+
+
+def git(repo: Path, *args: str, check: bool = True) -> str:
+    return run(["git", *GIT_ID, *args], cwd=repo, check=check).stdout
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Base and series
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Base:
+    name: str
+    version: str
+    sdist: str
+    sha256: str
+
+
+def read_base() -> Base:
+    fields = {}
+    for line in (PATCHES / "base").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            fields[key.strip()] = value.strip()
+    return Base(**fields)
+
+
+def read_series() -> List[str]:
+    series = PATCHES / "series"
+    if not series.exists():
+        return []
+    names = []
+    for line in series.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            if not (PATCHES / line).is_file():
+                raise TreeError(f"patches/series names {line}, but patches/{line} does not exist")
+            names.append(line)
+    return names
+
+
+@dataclasses.dataclass
+class Hunk:
+    file: str
+    index: int  # 1-based within its file
+    header: str
+
+
+def parse_hunks(patch_text: str) -> List[Hunk]:
+    hunks, current, count = [], None, 0
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[1]
+            count = 0
+        elif line.startswith("@@") and current is not None:
+            count += 1
+            hunks.append(Hunk(current, count, line.split("@@")[1].strip()))
+    return hunks
+
+
+def patch_stats(patch_text: str) -> Tuple[List[str], int, int]:
+    files, added, removed, in_body = [], 0, 0, False
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git "):
+            files.append(line.split(" b/", 1)[1])
+            in_body = False
+        elif line.startswith("@@"):
+            in_body = True
+        elif in_body and line.startswith("+") and not line.startswith("+++"):
+            added += 1
+        elif in_body and line.startswith("-") and not line.startswith("---"):
+            removed += 1
+    return files, added, removed
+
+
+def patch_subject(patch_text: str, fallback: str) -> str:
+    for line in patch_text.splitlines():
+        if line.startswith("Subject:"):
+            return re.sub(r"^Subject:\s*(\[[^\]]*\]\s*)?", "", line).strip()
+    return fallback
+
+
+def explain_conflict(name: str, patch_text: str, tree: Path) -> str:
+    """Name the patch, file and hunk that does not apply (git reports only a line number)."""
+    proc = subprocess.run(
+        ["git", "apply", "--check", "-v"],
+        cwd=tree,
+        input=patch_text,
+        text=True,
+        capture_output=True,
+    )
+    report = proc.stderr + proc.stdout
+    m = re.search(r"error: patch failed: (\S+):(\d+)", report)
+    if m:
+        path, line = m.group(1), int(m.group(2))
+        candidates = [h for h in parse_hunks(patch_text) if h.file == path]
+        hunk = next(
+            (h for h in candidates if int(re.match(r"-(\d+)", h.header).group(1)) == line),
+            candidates[0] if candidates else None,
+        )
+        where = f"hunk #{hunk.index} (@@ {hunk.header} @@)" if hunk else f"line {line}"
+        return f"patch {name} does not apply: file {path}, {where}.\n{report.strip()}"
+    m = re.search(r"error: (\S+): (does not exist in index|No such file or directory)", report)
+    if m:
+        return f"patch {name} does not apply: file {m.group(1)} does not exist in the base.\n{report.strip()}"
+    return f"patch {name} does not apply.\n{report.strip()}"
+
+
+def apply_series(tree: Path, names: Sequence[str], commit: bool) -> None:
+    for name in names:
+        text = (PATCHES / name).read_text()
+        if "diff --git" not in text:
+            raise TreeError(f"patch {name} holds no diff")
+        proc = subprocess.run(
+            ["git", "apply", "--index", "--whitespace=nowarn"],
+            cwd=tree,
+            input=text,
+            text=True,
+            capture_output=True,
+        )
+        if proc.returncode != 0:
+            raise TreeError(explain_conflict(name, text, tree))
+        if commit:
+            subject = patch_subject(text, name)
+            git(tree, "commit", "-q", "-m", subject, "-m", f"{PATCH_TRAILER} {name}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Overlay
+# --------------------------------------------------------------------------------------------------
+
+
+def overlay_files() -> List[Path]:
+    """Files under python/ relative to python/ (caches excluded)."""
+    out = []
+    for path in sorted(OVERLAY.rglob("*")):
+        rel = path.relative_to(OVERLAY)
+        if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
+            out.append(rel)
+    return out
+
+
+def overlay_links(base_paths: set) -> List[Path]:
+    """The overlay entries to link: the topmost path of each new file that is absent upstream.
+
+    ``base_paths`` holds every file and directory of the pristine base, relative to ``python/``.
+    Raises if an overlay file would shadow an upstream file.
+    """
+    links = set()
+    for rel in overlay_files():
+        if str(rel) in base_paths:
+            raise TreeError(
+                f"overlay file python/{rel} would shadow upstream file python/{rel}; change the upstream "
+                "file through a patch (edit it in build/sglang and run `refresh`) instead"
+            )
+        parts = rel.parts
+        for i in range(1, len(parts) + 1):
+            prefix = Path(*parts[:i])
+            if str(prefix) not in base_paths:
+                links.add(prefix)
+                break
+    return sorted(links)
+
+
+def base_paths_of(tree: Path) -> set:
+    files = git(tree, "ls-tree", "-r", "--name-only", "base", "--", "python").splitlines()
+    paths = set()
+    for f in files:
+        p = Path(f).relative_to("python")
+        paths.add(str(p))
+        paths.update(str(parent) for parent in p.parents if str(parent) != ".")
+    return paths
+
+
+def link_overlay(tree: Path) -> List[Path]:
+    links = overlay_links(base_paths_of(tree))
+    exclude = tree / ".git" / "info" / "exclude"
+    lines = [f"/python/{rel}" for rel in links]
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    exclude.write_text("# kv_offload overlay links\n" + "\n".join(lines) + "\n")
+    for rel in links:
+        dst = tree / "python" / rel
+        src = OVERLAY / rel
+        if dst.is_symlink():
+            if Path(os.readlink(dst)) == src:
+                continue
+            dst.unlink()
+        elif dst.exists():
+            raise TreeError(f"{dst} exists in the build tree and is not an overlay link; remove it")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(src, target_is_directory=src.is_dir())
+    # Links whose overlay source disappeared are stale.
+    for path in (tree / "python").rglob("*"):
+        if path.is_symlink() and not path.exists():
+            path.unlink()
+    return links
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------------
+
+
+def fetch_sdist(base: Base) -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tgz = CACHE / base.sdist
+    if tgz.exists() and sha256_file(tgz) == base.sha256:
+        return tgz
+    log(f"fetching {base.name}=={base.version} sdist")
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        run(
+            [
+                sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+                "--no-deps", "--no-binary", ":all:", "-d", tmp, f"{base.name}=={base.version}",
+            ]
+        )
+        got = Path(tmp) / base.sdist
+        if not got.exists():
+            raise TreeError(f"pip did not produce {base.sdist} in {tmp}")
+        digest = sha256_file(got)
+        if digest != base.sha256:
+            raise TreeError(
+                f"sha256 mismatch for {base.sdist}: got {digest}, patches/base pins {base.sha256}"
+            )
+        shutil.move(str(got), tgz)
+    return tgz
+
+
+def uv_binary() -> Path:
+    uv = CACHE / f"uv-{UV_VERSION}" / "bin" / "uv"
+    if not uv.exists():
+        log(f"installing uv {UV_VERSION}")
+        run(
+            [
+                sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                "--target", CACHE / f"uv-{UV_VERSION}", f"uv=={UV_VERSION}",
+            ]
+        )
+    return uv
+
+
+def torch_wheel() -> Path:
+    wheels = CACHE / "wheels"
+    found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl")) if wheels.exists() else []
+    if not found:
+        # pip resolves torch==2.13.0 to the CPU wheel on this machine kind's disk; uv would fetch CUDA.
+        run(
+            [
+                sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+                "--no-deps", "-d", wheels, f"torch=={TORCH_VERSION}",
+            ]
+        )
+        found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl"))
+    if not found:
+        raise TreeError(f"could not obtain a torch {TORCH_VERSION} wheel")
+    return found[0]
+
+
+def uv_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(UV_CACHE_DIR=str(CACHE / "uv-cache"), UV_NO_PROGRESS="1")
+    return env
+
+
+def ensure_venv(venv: Path) -> None:
+    reqs = ENV_DIR / "requirements-cpu.txt"
+    cons = ENV_DIR / "constraints-cpu.txt"
+    uv = uv_binary()
+    wheel = torch_wheel()
+    stamp_value = hashlib.sha256(
+        reqs.read_bytes() + cons.read_bytes() + f"{wheel.name} {TRITON_VERSION}".encode()
+    ).hexdigest()[:16]
+    stamp = venv / ".kv-offload-stamp"
+    if stamp.exists() and stamp.read_text().strip() == stamp_value:
+        return
+    log(f"creating venv {venv}")
+    if venv.exists():
+        shutil.rmtree(venv)
+    env = uv_env()
+    run([uv, "venv", "-q", "-p", "python3.11", venv], env=env)
+    run(
+        [
+            uv, "pip", "install", "-q", "-p", venv, wheel, f"triton=={TRITON_VERSION}",
+            "-r", reqs, "-c", cons,
+        ],
+        env=env,
+    )
+    stamp.write_text(stamp_value + "\n")
+
+
+def install_tree(venv: Path, tree: Path) -> None:
+    stamp = venv / ".kv-offload-sglang"
+    target = str((tree / "python").resolve())
+    if stamp.exists() and stamp.read_text().strip() == target:
+        return
+    log("installing the patched tree (editable, --no-deps)")
+    run([uv_binary(), "pip", "install", "-q", "-p", venv, "--no-deps", "-e", target], env=uv_env())
+    stamp.write_text(target + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------
+
+
+def tree_path(build_dir: Path) -> Path:
+    return build_dir / "sglang"
+
+
+def series_digest(base: Base, names: Sequence[str]) -> str:
+    h = hashlib.sha256(base.sha256.encode())
+    for name in names:
+        h.update(name.encode() + b"\0" + (PATCHES / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def unpack_base(tgz: Path, tree: Path, base: Base) -> None:
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    with tarfile.open(tgz) as tf:
+        tf.extractall(tree, filter="data") if hasattr(tarfile, "data_filter") else tf.extractall(tree)
+    top = tree / f"{base.name}-{base.version}"
+    top.rename(tree / "python")
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", f"pristine {base.name} {base.version} (sdist sha256 {base.sha256})")
+    git(tree, "tag", "base")
+
+
+def dirty_files(tree: Path) -> List[str]:
+    out = git(tree, "status", "--porcelain", "--untracked-files=no")
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def cmd_build(args) -> int:
+    t0 = time.time()
+    base, names = read_base(), read_series()
+    tree = tree_path(args.build_dir)
+    if not args.no_venv:
+        ensure_venv(args.venv)
+    want = series_digest(base, names)
+    stamp = tree / ".git" / "kv-offload-series"
+    current = stamp.read_text().strip() if stamp.exists() else None
+    if current != want or args.force:
+        if current is not None and dirty_files(tree) and not args.force:
+            raise TreeError(
+                "the build tree has edits that are not in patches/ ("
+                + ", ".join(dirty_files(tree))
+                + "); run `refresh --into NAME` (or `--new NAME`) to keep them, or `build --force` to drop them"
+            )
+        tgz = fetch_sdist(base)
+        log(f"unpacking pristine {base.name} {base.version} and applying {len(names)} patch(es)")
+        unpack_base(tgz, tree, base)
+        apply_series(tree, names, commit=True)
+        stamp.write_text(want + "\n")
+    links = link_overlay(tree)
+    if not args.no_venv:
+        install_tree(args.venv, tree)
+    log(
+        f"patched tree ready at {tree / 'python'} ({len(names)} patches, {len(links)} overlay links) "
+        f"in {time.time() - t0:.1f}s"
+    )
+    return 0
+
+
+def patch_commits(tree: Path) -> List[Tuple[str, str, str]]:
+    """(sha, patch file, full message) for every commit after the base, oldest first."""
+    out = []
+    for sha in git(tree, "rev-list", "--reverse", "base..HEAD").split():
+        msg = git(tree, "log", "-1", "--format=%B", sha)
+        m = re.search(rf"^{PATCH_TRAILER}\s*(\S+)", msg, re.M)
+        if not m:
+            raise TreeError(
+                f"commit {sha[:10]} in the build tree has no '{PATCH_TRAILER}' trailer; commit with "
+                "`refresh --new NAME` or amend it into a patch"
+            )
+        out.append((sha, m.group(1), msg))
+    return out
+
+
+def render_patch(tree: Path, sha: str, msg: str) -> str:
+    body = re.sub(rf"^{PATCH_TRAILER}.*$", "", msg, flags=re.M).strip()
+    subject, _, why = body.partition("\n")
+    diff = git(tree, "diff", "--no-color", "--no-ext-diff", "-U3", f"{sha}^", sha)
+    stat = git(tree, "diff", "--stat=100", f"{sha}^", sha)
+    return (
+        f"Subject: [PATCH] {subject.strip()}\n\n{why.strip()}\n\n---\n{stat.rstrip()}\n\n{diff}"
+    )
+
+
+def cmd_refresh(args) -> int:
+    tree = tree_path(args.build_dir)
+    if not (tree / ".git").exists():
+        raise TreeError("no build tree; run `build` first")
+    link_overlay(tree)
+    dirty = dirty_files(tree)
+    commits = patch_commits(tree)
+    by_name = {name: sha for sha, name, _ in commits}
+    if dirty:
+        if args.into:
+            if args.into not in by_name:
+                raise TreeError(f"--into {args.into}: no such patch (series: {', '.join(by_name)})")
+            git(tree, "add", "-u")
+            git(tree, "commit", "-q", f"--fixup={by_name[args.into]}")
+            env = dict(os.environ, GIT_SEQUENCE_EDITOR="true")
+            res = run(
+                ["git", *GIT_ID, "rebase", "-q", "-i", "--autosquash", "base"],
+                cwd=tree,
+                check=False,
+                env=env,
+            )
+            if res.returncode != 0:
+                run(["git", "rebase", "--abort"], cwd=tree, check=False)
+                raise TreeError(
+                    f"folding the edits into {args.into} conflicts with a later patch:\n{res.stderr}"
+                )
+        elif args.new:
+            if not re.fullmatch(r"\d{4}-[a-z0-9][a-z0-9-]*\.patch", args.new):
+                raise TreeError("--new NAME must look like 0003-topic-words.patch")
+            if args.new in by_name:
+                raise TreeError(f"--new {args.new}: a patch of that name exists; use --into")
+            if not args.subject or not args.why:
+                raise TreeError("--new needs --subject and --why (they become the patch header)")
+            git(tree, "add", "-u")
+            git(tree, "commit", "-q", "-m", args.subject, "-m", args.why, "-m", f"{PATCH_TRAILER} {args.new}")
+        else:
+            raise TreeError(
+                "the build tree has uncommitted edits to upstream files ("
+                + ", ".join(dirty)
+                + "); say which patch they belong to with --into NAME, or start one with --new NAME"
+            )
+    commits = patch_commits(tree)
+    names = []
+    for sha, name, msg in commits:
+        (PATCHES / name).write_text(render_patch(tree, sha, msg))
+        names.append(name)
+    for stale in set(read_series_names_raw()) - set(names):
+        (PATCHES / stale).unlink(missing_ok=True)
+    (PATCHES / "series").write_text(
+        "# Applied in order to the pristine base named in patches/base.\n" + "\n".join(names) + "\n"
+    )
+    stamp = tree / ".git" / "kv-offload-series"
+    stamp.write_text(series_digest(read_base(), names) + "\n")
+    log(f"wrote {len(names)} patch(es): {', '.join(names)}")
+    return 0
+
+
+def read_series_names_raw() -> List[str]:
+    series = PATCHES / "series"
+    if not series.exists():
+        return []
+    return [l.split("#", 1)[0].strip() for l in series.read_text().splitlines() if l.split("#", 1)[0].strip()]
+
+
+def cmd_check(args) -> int:
+    base, names = read_base(), read_series()
+    tgz = fetch_sdist(base)
+    with tempfile.TemporaryDirectory(prefix="kv-offload-check-") as tmp:
+        tree = Path(tmp) / "sglang"
+        unpack_base(tgz, tree, base)
+        apply_series(tree, names, commit=False)
+        links = overlay_links(base_paths_of(tree))
+    print(f"base: {base.name} {base.version} (sha256 {base.sha256[:12]}...)")
+    print(f"overlay: {len(overlay_files())} files under {len(links)} new paths, none shadows upstream:")
+    for rel in links:
+        print(f"  python/{rel}")
+    total_files, total_add, total_del = set(), 0, 0
+    print(f"series: {len(names)} patch(es) apply cleanly to the pristine base")
+    for name in names:
+        text = (PATCHES / name).read_text()
+        files, add, rem = patch_stats(text)
+        total_files.update(files)
+        total_add += add
+        total_del += rem
+        print(f"  {name}: +{add} -{rem} in {', '.join(files)}")
+    print(
+        f"footprint: {len(names)} patches, {len(total_files)} upstream files touched, "
+        f"{total_add} lines added, {total_del} removed"
+    )
+    tree = tree_path(args.build_dir)
+    if (tree / ".git").exists() and dirty_files(tree):
+        print(
+            "warning: the build tree has edits not yet in patches/: "
+            + ", ".join(dirty_files(tree))
+            + " (run `refresh`)"
+        )
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kv_offload_tree.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See docs/kv_offload.md, section 'Working on the patch series'.",
+    )
+    parser.add_argument("--build-dir", type=Path, default=DEFAULT_BUILD, help="default: build/")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="default: .venv/")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="materialise the patched tree and install it editable")
+    p.add_argument("--force", action="store_true", help="rebuild from the base, dropping unrefreshed edits")
+    p.add_argument("--no-venv", action="store_true", help="do not create or install into the venv")
+    p.set_defaults(func=cmd_build)
+    p = sub.add_parser("refresh", help="regenerate patches/ from edits made in the build tree")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--into", metavar="NAME", help="fold uncommitted edits into this existing patch")
+    g.add_argument("--new", metavar="NAME", help="start a new patch NNNN-topic.patch from the edits")
+    p.add_argument("--subject", help="first line of a new patch (with --new)")
+    p.add_argument("--why", help="why the hook exists (with --new)")
+    p.set_defaults(func=cmd_refresh)
+    p = sub.add_parser("check", help="prove the series applies to a pristine base; print the footprint")
+    p.set_defaults(func=cmd_check)
+    args = parser.parse_args(argv)
+    args.build_dir = args.build_dir.resolve()
+    args.venv = args.venv.resolve()
+    try:
+        return args.func(args)
+    except TreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

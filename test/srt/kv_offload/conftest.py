@@ -1,0 +1,32 @@
+"""CPU test set-up for kv_offload.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` module is imported, so it is set here,
+at collection time. The import-time stand-ins for binary packages are added only where the real
+package is missing (see cpu_stubs/README.md).
+"""
+
+import importlib.util
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_HAS_CUDA = False
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    pass
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stubs")
+_needs_stubs = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel", "torchvision"))
+if _needs_stubs and _STUBS not in sys.path:
+    sys.path.insert(0, _STUBS)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_STUBS, os.environ.get("PYTHONPATH")) if p
+    )
