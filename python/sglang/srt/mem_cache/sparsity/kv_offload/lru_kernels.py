@@ -1,0 +1,284 @@
+"""Triton plan kernel for the per-layer sparse KV cache (PrepareIntraLayerH2D equivalent).
+
+One program per batch row (request), vectorised over the row's ``K`` top-k entries and its ``S``
+slots; no sort, ``O(K + S)`` work with three prefix sums. Exact semantics are specified (and
+implemented in plain torch) in :mod:`lru_ref`; the kernel equals it bit for bit.
+
+Program outline (``b`` = row, ``r`` = request, ``n`` = its slots):
+
+1. gather ``loc_to_slot[t]`` for the row's top-k -> hits; for non-hits gather ``loc_to_tail[t]``
+   -> tail rows; the rest are misses.
+2. clear the row's slot mark scratch; mark hit slots; claim each missing loc in ``loc_to_slot``
+   with ``atomic_min`` of a negative code ordered by top-k position, so the first occurrence of a
+   duplicated loc wins (dedup without a sort, deterministic).
+3. read the LRU permutation, look up the marks, exclusive prefix sums give each evictable slot its
+   eviction rank and each needed slot its new position. The first ``M`` evictable slots are the
+   victims (scattered to a rank-indexed scratch); their old locs are unmapped.
+4. rewrite the permutation in place (untaken evictables, needed, new loads), map the claimed locs to
+   their victims, then resolve every entry to a physical row and write the packed miss list.
+
+Everything is a fixed-shape tensor preallocated in :class:`PlanWorkspace`; no host sync, so the
+call is CUDA-graph capturable. The state of padded rows (``b >= num_real_reqs[0]``) is untouched;
+their outputs are set to -1 so a stale miss list is never replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import PlanResult
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
+
+logger = logging.getLogger(__name__)
+
+
+@triton.jit
+def _plan_layer_kernel(
+    topk_ptr,
+    topk_stride,
+    rpi_ptr,
+    n_real_ptr,
+    loc_to_host_ptr,
+    loc_to_tail_ptr,
+    loc_to_slot_ptr,
+    slot_loc_ptr,
+    lru_ptr,
+    state_stride,
+    ocls_ptr,
+    ocls_stride,
+    num_slots_ptr,
+    out_ptr,
+    out_stride,
+    miss_host_ptr,
+    miss_dst_ptr,
+    num_miss_ptr,
+    miss_total_ptr,
+    mark_ptr,
+    vict_ptr,
+    err_ptr,
+    K,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    COMPACT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n_real = tl.load(n_real_ptr)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    row_out = out_ptr + b.to(tl.int64) * out_stride
+    row_miss = b.to(tl.int64) * K
+    neg1_k = tl.full([BLOCK_K], -1, tl.int32)
+    if b >= n_real:
+        tl.store(row_out + offs_k, neg1_k, mask=kmask)
+        if not COMPACT:
+            tl.store(miss_host_ptr + row_miss + offs_k, neg1_k.to(tl.int64), mask=kmask)
+            tl.store(miss_dst_ptr + row_miss + offs_k, neg1_k, mask=kmask)
+        tl.store(num_miss_ptr + b, 0)
+    else:
+        r = tl.load(rpi_ptr + b).to(tl.int64)
+        n = tl.load(num_slots_ptr + r)
+        t = tl.load(topk_ptr + b.to(tl.int64) * topk_stride + offs_k, mask=kmask, other=-1)
+        valid = t >= 0
+        t64 = t.to(tl.int64)
+
+        # 1. classify
+        slot = tl.load(loc_to_slot_ptr + t64, mask=valid, other=-1)
+        hit = slot >= 0
+        cold = valid & (slot < 0)
+        tail = tl.load(loc_to_tail_ptr + t64, mask=cold, other=-1).to(tl.int32)
+        is_tail = tail >= 0
+        miss = cold & (tail < 0)
+
+        # 2. mark needed slots, claim missing locs (first occurrence wins)
+        offs_s = tl.arange(0, BLOCK_S)
+        mark_row = mark_ptr + b.to(tl.int64) * BLOCK_S
+        vict_row = vict_ptr + b.to(tl.int64) * BLOCK_K
+        tl.store(mark_row + offs_s, tl.zeros([BLOCK_S], tl.int32))
+        tl.debug_barrier()
+        tl.store(mark_row + slot, tl.full([BLOCK_K], 1, tl.int32), mask=hit)
+        code = offs_k - (K + 2)  # < -1 and increasing in k
+        tl.atomic_min(loc_to_slot_ptr + t64, code, mask=miss)
+        tl.debug_barrier()
+        # .cg: the atomics went to L2, do not read a stale L1 line from step 1
+        claim = tl.load(loc_to_slot_ptr + t64, mask=miss, other=0, cache_modifier=".cg")
+        rep = miss & (claim == code)
+        rep_i = rep.to(tl.int32)
+        M = tl.sum(rep_i, axis=0)
+        mrank = tl.cumsum(rep_i, axis=0) - rep_i
+
+        # 3. split the LRU order into evictable / needed, pick victims
+        smask = offs_s < n
+        st_row = r * state_stride
+        sl = tl.load(lru_ptr + st_row + offs_s, mask=smask, other=0).to(tl.int32)
+        need = tl.load(mark_row + sl, mask=smask, other=0, cache_modifier=".cg")
+        ev = smask & (need == 0)
+        ev_i = ev.to(tl.int32)
+        E = tl.sum(ev_i, axis=0)
+        erank = tl.cumsum(ev_i, axis=0) - ev_i
+        Mt = tl.minimum(M, E)
+        take = ev & (erank < Mt)
+        tl.store(vict_row + erank, sl, mask=take)
+        old = tl.load(slot_loc_ptr + st_row + sl, mask=take, other=-1)
+        tl.store(
+            loc_to_slot_ptr + old.to(tl.int64),
+            tl.full([BLOCK_S], -1, tl.int32),
+            mask=take & (old >= 0),
+        )
+        # needed slot at position p has p - erank[p] needed slots before it
+        newpos = tl.where(ev, erank - Mt, (E - Mt) + (offs_s - erank))
+        tl.debug_barrier()  # every lru read and victim write is done
+
+        # 4. rewrite the order, map claimed locs, resolve rows
+        tl.store(lru_ptr + st_row + newpos, sl.to(tl.int16), mask=smask & ~take)
+        ok = rep & (mrank < Mt)
+        v = tl.load(vict_row + mrank, mask=ok, other=-1, cache_modifier=".cg")
+        tl.store(lru_ptr + st_row + (n - Mt) + mrank, v.to(tl.int16), mask=ok)
+        tl.store(slot_loc_ptr + st_row + v, t, mask=ok)
+        tl.store(loc_to_slot_ptr + t64, v, mask=rep)  # overflowed claims go back to -1
+        tl.debug_barrier()
+        fslot = tl.load(loc_to_slot_ptr + t64, mask=miss, other=-1, cache_modifier=".cg")
+        fslot = tl.where(hit, slot, fslot)
+        phys = tl.load(ocls_ptr + r * ocls_stride + fslot, mask=fslot >= 0, other=-1)
+        tl.store(row_out + offs_k, tl.where(is_tail, tail, phys), mask=kmask)
+        host = tl.load(loc_to_host_ptr + t64, mask=ok, other=-1).to(tl.int64)
+        if COMPACT:
+            # rows reserve their range in arrival order; within a row the order is the miss rank
+            dst_off = tl.atomic_add(miss_total_ptr, Mt).to(tl.int64) + mrank
+        else:
+            dst_off = row_miss + mrank
+            pad = kmask & (offs_k >= Mt)
+            tl.store(miss_host_ptr + row_miss + offs_k, neg1_k.to(tl.int64), mask=pad)
+            tl.store(miss_dst_ptr + row_miss + offs_k, neg1_k, mask=pad)
+        tl.store(miss_host_ptr + dst_off, host, mask=ok)
+        tl.store(miss_dst_ptr + dst_off, phys, mask=ok)
+        tl.store(num_miss_ptr + b, Mt)
+        if M > E:
+            tl.atomic_or(err_ptr, 1)
+        bad = tl.sum((ok & (host < 0)).to(tl.int32), axis=0)
+        if bad > 0:
+            tl.atomic_or(err_ptr, 2)
+
+
+class PlanWorkspace:
+    """Preallocated outputs and scratch of :func:`plan_layer` for up to ``max_bs`` rows.
+
+    Outputs are reused by every layer: consume them (H2D + attention) before the next layer's plan,
+    which is the natural stream order.
+    """
+
+    def __init__(
+        self, max_bs: int, topk: int, max_slots: int, device: torch.device | str = "cuda"
+    ) -> None:
+        self.max_bs = max_bs
+        self.topk = topk
+        self.block_k = triton.next_power_of_2(topk)
+        self.block_s = triton.next_power_of_2(max_slots)
+        dev = torch.device(device)
+        self.out_indices = torch.full((max_bs, topk), -1, dtype=torch.int32, device=dev)
+        self.miss_host = torch.full((max_bs * topk,), -1, dtype=torch.int64, device=dev)
+        self.miss_dst = torch.full((max_bs * topk,), -1, dtype=torch.int32, device=dev)
+        self.num_misses = torch.zeros((max_bs,), dtype=torch.int32, device=dev)
+        self.miss_count = torch.zeros((1,), dtype=torch.int32, device=dev)
+        self.error_flags = torch.zeros((1,), dtype=torch.int32, device=dev)
+        self._mark = torch.zeros((max_bs, self.block_s), dtype=torch.int32, device=dev)
+        self._vict = torch.zeros((max_bs, self.block_k), dtype=torch.int32, device=dev)
+
+    def nbytes(self) -> int:
+        ts = (
+            self.out_indices,
+            self.miss_host,
+            self.miss_dst,
+            self.num_misses,
+            self._mark,
+            self._vict,
+        )
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def reset_errors(self) -> None:
+        self.error_flags.zero_()
+
+
+def plan_layer(
+    topk: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    loc_to_host: torch.Tensor,
+    loc_to_tail: torch.Tensor,
+    state: LayerState,
+    ws: PlanWorkspace,
+    num_warps: int = 8,
+    compact: bool = True,
+    out_indices: Optional[torch.Tensor] = None,
+) -> PlanResult:
+    """Plan one layer: resolve ``topk`` to physical rows, pick victims, emit the miss list.
+
+    Args:
+        topk: (bs, K) int32 logical locs from the indexer, -1 padded; read only.
+        req_pool_indices: (bs,) int64 request of each row (stale for padded rows).
+        num_real_reqs: (1,) int32 device tensor; rows ``>= num_real_reqs[0]`` are padding.
+        loc_to_host: (N_logical,) int64 host slot per logical loc, -1 if not backed up.
+        loc_to_tail: (N_logical,) int32/int64 physical tail row per logical loc, -1 otherwise.
+        state: ``SparseCacheState.layer(layer_id)``; updated in place.
+        ws: preallocated workspace (``max_bs >= bs``, same K, ``block_s`` covering the slots).
+        num_warps: Triton warps per program (tuning knob).
+        compact: True: the miss list is one dense prefix of ``miss_count[0]`` entries (rows in a
+            nondeterministic order, each row's misses in rank order; entries past the count are
+            stale), for ``transfer.copy_rows(..., num_valid=miss_count)``. False: row ``b``'s
+            misses sit at ``[b*K, b*K + num_misses[b])``, the rest of the row is -1 (deterministic).
+        out_indices: optional (bs, K) int32 destination instead of ``ws.out_indices[:bs]``.
+
+    Returns:
+        Views of the workspace: rewritten indices, per-row packed miss list (host slot, physical
+        row; -1 padded), per-row miss counts and the sticky error flags (see ``lru_ref``).
+    """
+    bs, K = topk.shape
+    assert K == ws.topk and bs <= ws.max_bs, (bs, K, ws.max_bs, ws.topk)
+    assert topk.dtype == torch.int32 and topk.stride(1) == 1
+    loc_to_slot, slot_loc, lru, ocls, num_slots = state
+    assert slot_loc.stride() == lru.stride() and slot_loc.stride(1) == 1
+    assert slot_loc.shape[1] <= ws.block_s
+    out = ws.out_indices[:bs] if out_indices is None else out_indices
+    assert out.dtype == torch.int32 and out.stride(1) == 1 and tuple(out.shape) == (bs, K)
+    if compact:
+        ws.miss_count.zero_()
+    _plan_layer_kernel[(bs,)](
+        topk,
+        topk.stride(0),
+        req_pool_indices,
+        num_real_reqs,
+        loc_to_host,
+        loc_to_tail,
+        loc_to_slot,
+        slot_loc,
+        lru,
+        slot_loc.stride(0),
+        ocls,
+        ocls.stride(0),
+        num_slots,
+        out,
+        out.stride(0),
+        ws.miss_host,
+        ws.miss_dst,
+        ws.num_misses,
+        ws.miss_count,
+        ws._mark,
+        ws._vict,
+        ws.error_flags,
+        K,
+        BLOCK_K=ws.block_k,
+        BLOCK_S=ws.block_s,
+        COMPACT=compact,
+        num_warps=num_warps,
+    )
+    return PlanResult(
+        out,
+        ws.miss_host[: bs * K],
+        ws.miss_dst[: bs * K],
+        ws.num_misses[:bs],
+        ws.error_flags,
+        ws.miss_count,
+    )

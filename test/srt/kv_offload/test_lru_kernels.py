@@ -1,0 +1,330 @@
+"""The Triton plan kernel equals the torch reference bit for bit (CPU: TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _lru_sim import World, run_trace
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace, plan_layer
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import (
+    ERR_MISS_NOT_ON_HOST,
+    ERR_SLOT_OVERFLOW,
+    PlanResult,
+    compact_miss_list,
+    plan_layer_ref,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
+
+SETTINGS = settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+def _clone_state(s: LayerState) -> LayerState:
+    return LayerState(*(t.clone() for t in s))
+
+
+def _pairs(host: torch.Tensor, dst: torch.Tensor):
+    order = torch.argsort(dst)
+    return host[order], dst[order]
+
+
+def assert_same(ref: PlanResult, got: PlanResult, compact: bool, n_real: int) -> None:
+    assert torch.equal(got.out_indices, ref.out_indices)
+    assert torch.equal(got.num_misses[:n_real], ref.num_misses[:n_real])
+    assert bool((got.num_misses[n_real:] == 0).all())
+    assert torch.equal(got.error_flags, ref.error_flags)
+    if compact:
+        cnt = int(got.miss_count[0])
+        assert cnt == int(ref.miss_count[0])
+        rh, rd = _pairs(*compact_miss_list(ref))
+        gh, gd = _pairs(got.miss_host[:cnt], got.miss_dst[:cnt])
+        assert torch.equal(gh, rh) and torch.equal(gd.to(torch.int32), rd)
+    else:
+        assert torch.equal(got.miss_host, ref.miss_host)
+        assert torch.equal(got.miss_dst, ref.miss_dst)
+
+
+def lockstep(max_bs: int, topk: int, max_slots: int, compact: bool, num_warps: int = 4):
+    """A plan function running the reference on a copy of the state, then the kernel, and comparing."""
+    ws = PlanWorkspace(max_bs, topk, max_slots, device="cpu")
+
+    def plan(topk_t, rpi, nr, l2h, l2t, state: LayerState) -> PlanResult:
+        shadow = _clone_state(state)
+        ref = plan_layer_ref(topk_t, rpi, nr, l2h, l2t, shadow)
+        ws.reset_errors()
+        got = plan_layer(topk_t, rpi, nr, l2h, l2t, state, ws, num_warps=num_warps, compact=compact)
+        assert_same(ref, got, compact, int(nr[0]))
+        for name, a, b in zip(LayerState._fields, shadow, state):
+            assert torch.equal(a, b), f"state {name} differs from the reference"
+        return got
+
+    return plan
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**16),
+    topk=st.sampled_from([32, 48]),  # 48: K not a power of two (masked lanes)
+    buffer_slots=st.sampled_from([64, 192]),
+    max_ctx=st.sampled_from([60, 300]),
+    compact=st.booleans(),
+    graph_bs=st.sampled_from([None, 6]),
+)
+def test_kernel_equals_reference_on_random_traces(
+    seed, topk, buffer_slots, max_ctx, compact, graph_bs
+):
+    max_reqs = 4
+    plan = lockstep(max(max_reqs, graph_bs or 0), topk, buffer_slots, compact)
+    run_trace(
+        seed,
+        plan,
+        steps=4,
+        topk=topk,
+        buffer_slots=buffer_slots,
+        max_ctx=max_ctx,
+        compact=compact,
+        graph_bs=graph_bs,
+        max_reqs=max_reqs,
+        pool_pages=14,
+    )
+
+
+def test_kernel_trace_exercises_every_path():
+    plan = lockstep(6, 32, 64, compact=True)
+    total = None
+    for seed in range(3):
+        w = run_trace(
+            seed,
+            plan,
+            steps=5,
+            topk=32,
+            buffer_slots=64,
+            max_ctx=300,
+            compact=True,
+            graph_bs=6,
+            pool_pages=14,
+        )
+        total = w.stats if total is None else total + w.stats
+    for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows"):
+        assert total[what] > 0, (what, total)
+
+
+def _fresh_world(ctxs, topk=32, buffer_slots=64, pool_pages=8):
+    w = World(
+        random.Random(1),
+        num_layers=1,
+        max_reqs=len(ctxs),
+        topk=topk,
+        buffer_slots=buffer_slots,
+        pool_pages=pool_pages,
+    )
+    for r, c in enumerate(ctxs):
+        assert w.add_request(r, c)
+    return w
+
+
+def _step(w: World, plan, rows, n_real=None, compact=False):
+    topk = torch.stack(rows)
+    bs = topk.shape[0]
+    rpi = torch.arange(bs, dtype=torch.int64) % w.state.max_reqs
+    nr = torch.tensor([bs if n_real is None else n_real], dtype=torch.int32)
+    res = plan(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
+    w.load_and_check(0, topk, rpi, int(nr[0]), res, compact=compact)
+    return res
+
+
+def test_empty_then_full_cache_short_requests():
+    # context <= buffer: the first step loads everything, the next one hits everything
+    w = _fresh_world([20, 64])
+    plan = lockstep(2, 32, 64, compact=False)
+    rows = [
+        torch.tensor(w.reqs[r][-32:] + [-1] * max(0, 32 - len(w.reqs[r])), dtype=torch.int32)[:32]
+        for r in range(2)
+    ]
+    r1 = _step(w, plan, rows)
+    assert r1.num_misses.tolist() == [0, 32]  # request 0's 20 tokens are all tail rows
+    r2 = _step(w, plan, rows)
+    assert r2.num_misses.tolist() == [0, 0]
+    w.state.check_invariants()
+
+
+def test_all_padding_and_all_minus_one_rows():
+    w = _fresh_world([100, 100, 100])
+    plan = lockstep(3, 32, 64, compact=True)
+    blank = torch.full((32,), -1, dtype=torch.int32)
+    res = _step(w, plan, [blank, blank, blank], compact=True)
+    assert int(res.miss_count[0]) == 0 and bool((res.out_indices == -1).all())
+    before = w.state.slot_loc.clone()
+    rows = [torch.tensor(w.reqs[0][:32], dtype=torch.int32)] * 3
+    res = _step(w, plan, rows, n_real=0, compact=True)
+    assert torch.equal(before, w.state.slot_loc) and int(res.miss_count[0]) == 0
+
+
+def test_overflow_and_missing_host_copy_flags_match_reference():
+    # a request owning fewer slots than its unique top-k: contract violation, flagged, no corruption
+    K = 128
+    state = LayerState(
+        loc_to_slot=torch.full((512,), -1, dtype=torch.int32),
+        slot_loc=torch.full((1, 64), -1, dtype=torch.int32),
+        lru=torch.arange(64, dtype=torch.int16)[None].clone(),
+        out_cache_loc_sparse=torch.arange(64, dtype=torch.int32)[None] + 64,
+        num_slots=torch.tensor([64], dtype=torch.int32),
+    )
+    l2h = torch.arange(512, dtype=torch.int64)
+    l2h[7] = -1
+    l2t = torch.full((512,), -1, dtype=torch.int64)
+    topk = (torch.randperm(290) + 8)[None, :K].to(torch.int32)
+    topk[0, 0] = 7
+    ws = PlanWorkspace(1, K, 64, device="cpu")
+    shadow = _clone_state(state)
+    rpi, nr = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    ref = plan_layer_ref(topk, rpi, nr, l2h, l2t, shadow)
+    got = plan_layer(topk, rpi, nr, l2h, l2t, state, ws, compact=False)
+    assert int(ref.error_flags[0]) == ERR_SLOT_OVERFLOW | ERR_MISS_NOT_ON_HOST
+    assert_same(ref, got, False, 1)
+    assert all(torch.equal(a, b) for a, b in zip(shadow, state))
+    assert int((got.out_indices >= 0).sum()) == 64
+    assert int((state.loc_to_slot < -1).sum()) == 0  # no claim left behind
+
+
+def test_topk_input_is_never_written_and_custom_output():
+    w = _fresh_world([200])
+    ws = PlanWorkspace(1, 32, 64, device="cpu")
+    topk = torch.tensor([w.reqs[0][:32]], dtype=torch.int32)
+    keep = topk.clone()
+    out = torch.full((1, 32), 123, dtype=torch.int32)
+    res = plan_layer(
+        topk,
+        torch.zeros(1, dtype=torch.int64),
+        torch.ones(1, dtype=torch.int32),
+        w.loc_to_host,
+        w.loc_to_tail,
+        w.state.layer(0),
+        ws,
+        out_indices=out,
+    )
+    assert torch.equal(topk, keep) and res.out_indices.data_ptr() == out.data_ptr()
+    assert bool((out >= 0).all())
+
+
+# --------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compact", [True, False])
+def test_gpu_cuda_graph_replay_matches_eager(compact):
+    """Plan + a torch-gather load for 2 layers, captured once, replayed with new inputs and padding."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+    dev = torch.device("cuda")
+    L, R, K, S, G = 2, 6, 2048, 4096, 4  # G: captured batch size
+    ctx = [3000, 9000, 20000, 5000, 700, 12000]
+    N = sum(ctx) + 64
+    W = 8  # int64 words per fake row
+    g = torch.Generator(device="cpu").manual_seed(0)
+    host = torch.randint(0, 2**62, (N, W), generator=g).to(dev)  # device stand-in for host KV
+    l2h = torch.randperm(N, generator=g).to(dev)
+    l2t = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    starts = [0]
+    for c in ctx:
+        starts.append(starts[-1] + c)
+    pages = (R * S) // 64 + 8
+    tail_base = (pages + 1) * 64
+    for r, c in enumerate(ctx):  # the last c % 64 tokens are tail rows
+        for i in range(c - c % 64, c):
+            l2h[starts[r] + i] = -1
+            l2t[starts[r] + i] = tail_base + starts[r] + i
+    P = tail_base + N + 1  # last row: dummy target of masked loads
+
+    def make():
+        alloc = PagedTokenToKVPoolAllocator(pages * 64, 64, torch.int64, dev, None, False)
+        st = SparseCacheState(L, N, R, S, K, alloc, dev)
+        for r, c in enumerate(ctx):
+            assert st.admit(r, c)
+        kv = torch.zeros((L, P, W), dtype=torch.int64, device=dev)
+        tl_rows = l2t[l2t >= 0]
+        kv[:, tl_rows] = host[torch.nonzero(l2t >= 0).flatten()]  # tail content = "its" row
+        return st, kv, PlanWorkspace(G, K, S, dev)
+
+    def topk_for(step):
+        gg = torch.Generator(device="cpu").manual_seed(100 + step)
+        reqs = torch.randperm(R, generator=gg)[:G]
+        rows = []
+        for r in reqs.tolist():
+            c = ctx[r]
+            if c <= K:
+                row = torch.full((K,), -1, dtype=torch.int64)
+                row[:c] = torch.arange(c) + starts[r]
+            else:
+                hot = torch.arange(min(c, 2 * K)) + starts[r] + max(0, c - 2 * K)
+                row = torch.cat(
+                    [
+                        hot[torch.randperm(hot.numel(), generator=gg)[: K // 2]],
+                        torch.randperm(c, generator=gg)[:K] + starts[r],
+                    ]
+                )[:K]
+                row[torch.randperm(K, generator=gg)[:16]] = row[0]  # duplicates
+            rows.append(row)
+        topk = torch.stack(rows).to(torch.int32)
+        n_real = int(torch.randint(1, G + 1, (1,), generator=gg))
+        return topk.to(dev), reqs.to(dev), torch.tensor([n_real], dtype=torch.int32, device=dev)
+
+    def layer_step(st, kv, ws, topk, rpi, nr, outs):
+        for layer in range(L):
+            res = plan_layer(topk, rpi, nr, l2h, l2t, st.layer(layer), ws, compact=compact)
+            if compact:
+                valid = torch.arange(G * K, device=dev) < res.miss_count
+            else:
+                valid = res.miss_dst >= 0
+            src = torch.where(valid, res.miss_host, 0)
+            dst = torch.where(valid, res.miss_dst.long(), P - 1)
+            kv[layer].index_copy_(0, dst, host[src])
+            outs[layer].copy_(res.out_indices)
+
+    st_g, kv_g, ws_g = make()
+    st_e, kv_e, ws_e = make()
+    st_w, kv_w, ws_w = make()
+    s_topk, s_rpi, s_nr = topk_for(0)
+    outs_g = [torch.empty((G, K), dtype=torch.int32, device=dev) for _ in range(L)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile + warm up on a throwaway state
+        layer_step(st_w, kv_w, ws_w, s_topk, s_rpi, s_nr, outs_g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer_step(st_g, kv_g, ws_g, s_topk, s_rpi, s_nr, outs_g)
+    outs_e = [torch.empty_like(o) for o in outs_g]
+    for step in range(8):
+        topk, rpi, nr = topk_for(step)
+        s_topk.copy_(topk)
+        s_rpi.copy_(rpi)
+        s_nr.copy_(nr)
+        graph.replay()
+        layer_step(st_e, kv_e, ws_e, topk, rpi, nr, outs_e)
+        torch.cuda.synchronize()
+        n_real = int(nr[0])
+        for layer in range(L):
+            assert torch.equal(outs_g[layer], outs_e[layer])
+            assert bool((outs_g[layer][n_real:] == -1).all())
+            o = outs_g[layer][:n_real]
+            t = topk[:n_real].long()
+            v = t >= 0
+            want_rows = torch.where(l2t[t.clamp(min=0)] >= 0, -1, l2h[t.clamp(min=0)])
+            got = kv_g[layer][o[v].long()]
+            is_tail = want_rows[v] < 0
+            assert torch.equal(got[~is_tail], host[want_rows[v][~is_tail]])
+            assert torch.equal(got[is_tail], host[t[v][is_tail]])
+            assert torch.equal(kv_g[layer][: P - 1], kv_e[layer][: P - 1])
+        for a, b in (
+            (st_g.loc_to_slot, st_e.loc_to_slot),
+            (st_g.slot_loc, st_e.slot_loc),
+            (st_g.lru, st_e.lru),
+        ):
+            assert torch.equal(a, b)
+        assert int(ws_g.error_flags[0]) == 0

@@ -1,0 +1,179 @@
+"""Lifecycle of the sparse-cache state with the real upstream page allocator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _lru_sim import World, make_allocator, run_trace
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import plan_layer_ref
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+SETTINGS = settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+
+
+def _state(pages=8, layers=2, reqs=4, buffer=128, topk=32, locs=1024):
+    alloc = make_allocator(pages)
+    return SparseCacheState(layers, locs, reqs, buffer, topk, alloc, "cpu"), alloc
+
+
+def _snapshot(s: SparseCacheState):
+    return [
+        t.clone() for t in (s.loc_to_slot, s.slot_loc, s.lru, s.out_cache_loc_sparse, s.num_slots)
+    ] + [list(s.num_slots_cpu), s.allocator.available_size()]
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_elastic_slot_counts():
+    s, alloc = _state(buffer=130)  # rounded up to 192
+    assert s.max_slots == 192
+    assert [s.slots_for(c) for c in (0, 1, 64, 65, 191, 192, 10**6)] == [
+        64,
+        64,
+        64,
+        128,
+        192,
+        192,
+        192,
+    ]
+    start = alloc.available_size()
+    assert s.admit(0, 70)
+    assert s.num_slots_cpu[0] == 128 and alloc.available_size() == start - 128
+    rows = s.out_cache_loc_sparse[0, :128]
+    assert bool((rows % 64 == torch.arange(128) % 64).all())  # whole pages
+    assert bool((s.out_cache_loc_sparse[0, 128:] == -1).all())
+    assert s.grow(0, 100) and s.num_slots_cpu[0] == 128  # no-op
+    assert s.grow(0, 129) and s.num_slots_cpu[0] == 192
+    assert s.grow(0, 5000) and s.num_slots_cpu[0] == 192  # capped at the buffer
+    s.check_invariants()
+    assert s.release(0) == 192 and alloc.available_size() == start
+
+
+def test_grow_puts_new_slots_at_the_lru_end():
+    s, _ = _state(buffer=128, layers=1)
+    s.admit(1, 10)
+    s.lru[0, 1, :64] = torch.arange(64).flip(0).to(torch.int16)
+    assert s.grow(1, 100)
+    assert s.lru[0, 1, :128].tolist() == list(range(64, 128)) + list(range(63, -1, -1))
+    s.check_invariants()
+
+
+def test_admission_failure_under_exhaustion_leaves_state_intact():
+    s, alloc = _state(pages=3, buffer=128)
+    assert s.admit(0, 128)
+    assert not s.can_admit(128) and s.can_admit(1)
+    before = _snapshot(s)
+    assert s.admit(1, 128) is False
+    assert _same(before, _snapshot(s))
+    assert s.admit(1, 64)  # the last page still fits
+    before = _snapshot(s)
+    assert s.grow(1, 128) is False
+    assert _same(before, _snapshot(s))
+    s.check_invariants()
+
+
+def test_lifecycle_misuse():
+    s, alloc = _state()
+    start = alloc.available_size()
+    with pytest.raises(RuntimeError):
+        s.grow(0, 10)
+    assert s.admit(0, 10)
+    with pytest.raises(RuntimeError):
+        s.admit(0, 10)
+    assert s.release(0) == 64
+    assert s.release(0) == 0  # idempotent: nothing freed twice
+    assert alloc.available_size() == start
+    with pytest.raises(ValueError):
+        _state(buffer=16, topk=128)  # 64 slots cannot hold a full top-k
+    with pytest.raises(ValueError):
+        SparseCacheState(1, 16, 1, 128, 32, make_allocator_with_page(16), "cpu")
+
+
+def make_allocator_with_page(page: int):
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    return PagedTokenToKVPoolAllocator(page * 8, page, torch.int64, "cpu", None, False)
+
+
+def test_mark_resident_then_hits():
+    s, _ = _state(layers=2, buffer=128)
+    assert s.admit(2, 100)
+    locs = torch.tensor([5, 9, 11])
+    rows = s.mark_resident(2, locs)
+    assert torch.equal(rows, s.out_cache_loc_sparse[2, :3])
+    s.check_invariants()
+    topk = torch.tensor([[9, 5, -1, 11] + [-1] * 28], dtype=torch.int32)
+    l2h = torch.arange(1024, dtype=torch.int64)
+    l2t = torch.full((1024,), -1, dtype=torch.int64)
+    res = plan_layer_ref(
+        topk, torch.tensor([2]), torch.tensor([1], dtype=torch.int32), l2h, l2t, s.layer(1)
+    )
+    assert int(res.num_misses[0]) == 0
+    assert res.out_indices[0, :4].tolist() == [int(rows[1]), int(rows[0]), -1, int(rows[2])]
+    with pytest.raises(RuntimeError):
+        s.mark_resident(2, torch.tensor([1]))
+    s.release(2)
+    assert bool((s.loc_to_slot == -1).all())
+
+
+def test_release_clears_every_entry_after_real_traffic():
+    w = run_trace(3, plan_layer_ref, steps=6, max_ctx=300, buffer_slots=64, pool_pages=14)
+    assert w.stats["misses"] > 0
+    for r in list(w.reqs):
+        w.release(r)
+    s = w.state
+    assert bool((s.loc_to_slot == -1).all()) and bool((s.slot_loc == -1).all())
+    assert bool((s.out_cache_loc_sparse == -1).all()) and bool((s.num_slots == 0).all())
+    assert w.alloc.available_size() == w.free_at_start
+    s.check_invariants()
+
+
+@SETTINGS
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "grow", "release"]), st.integers(0, 3), st.integers(1, 400)
+        ),
+        max_size=40,
+    )
+)
+def test_random_lifecycle_conserves_slots(ops):
+    s, alloc = _state(pages=6, buffer=128, layers=1)
+    start = alloc.available_size()
+    for op, r, ctx in ops:
+        before = _snapshot(s)
+        if op == "admit":
+            if s.num_slots_cpu[r]:
+                with pytest.raises(RuntimeError):
+                    s.admit(r, ctx)
+            elif not s.admit(r, ctx):
+                assert _same(before, _snapshot(s)) and alloc.available_size() < s.slots_for(ctx)
+        elif op == "grow":
+            if s.num_slots_cpu[r] and not s.grow(r, ctx):
+                assert _same(before, _snapshot(s))
+        else:
+            s.release(r)
+        owned = sum(s.num_slots_cpu)
+        assert alloc.available_size() + owned == start
+        rows = torch.cat([s.out_cache_loc_sparse[q, : s.num_slots_cpu[q]] for q in range(4)])
+        assert rows.numel() == torch.unique(rows).numel(), "a row granted twice"
+        s.check_invariants()
+    for r in range(4):
+        s.release(r)
+    assert alloc.available_size() == start
+
+
+def test_metadata_budget():
+    frac = SparseCacheState.metadata_fraction(128 * 1024, 61, 656, 4096)
+    assert frac <= 0.02 and abs(frac - 0.0064) < 0.0002
+    s, _ = _state(pages=4, layers=3, reqs=2, buffer=64, topk=32, locs=500)
+    want = 3 * 500 * 4 + 3 * 2 * 64 * (4 + 2) + 2 * 64 * 4 + 2 * 4
+    assert s.metadata_bytes() == want
