@@ -149,6 +149,7 @@ def _plan_layer_kernel(
             # rows reserve their range in arrival order; within a row the order is the miss rank
             dst_off = tl.atomic_add(miss_total_ptr, Mt).to(tl.int64) + mrank
         else:
+            tl.atomic_add(miss_total_ptr, Mt)
             dst_off = row_miss + mrank
             pad = kmask & (offs_k >= Mt)
             tl.store(miss_host_ptr + row_miss + offs_k, neg1_k.to(tl.int64), mask=pad)
@@ -243,8 +244,7 @@ def plan_layer(
     assert slot_loc.shape[1] <= ws.block_s
     out = ws.out_indices[:bs] if out_indices is None else out_indices
     assert out.dtype == torch.int32 and out.stride(1) == 1 and tuple(out.shape) == (bs, K)
-    if compact:
-        ws.miss_count.zero_()
+    ws.miss_count.zero_()
     _plan_layer_kernel[(bs,)](
         topk,
         topk.stride(0),
