@@ -1,0 +1,330 @@
+"""Host tier controller for kv_offload: per-layer sparse loads and page backups.
+
+* ``load_one_layer``: misses of one layer, host pool -> sparse slots, on the caller's stream, inside
+  the decode CUDA graph (no sync, no allocation, no event query).
+* ``backup`` / ``backup_request_pages``: complete pages (prompt or decode tail) of all layers,
+  device -> freshly allocated host slots, on ``write_stream``. ``poll`` completes finished backups
+  without blocking: it records their host slots in ``loc_to_host`` and frees their physical pages.
+* ``cancel``: an aborted request's in-flight backups free their host slots when the copy is done
+  (never earlier: the write stream may still be storing into them).
+
+Imported only when ``--enable-kv-offload`` is on (upstream ``cache_controller`` needs
+``sgl_kernel`` at import time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+from sglang.srt.managers.cache_controller import HiCacheController, device_module
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+    KVOffloadNSATokenToKVPool,
+    KVOffloadTokenToKVPoolAllocator,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
+    CopyLaunchConfig,
+    copy_rows,
+    copy_rows_all_layers,
+    default_launch_config,
+)
+
+logger = logging.getLogger(__name__)
+
+_DEBUG = os.environ.get("SGLANG_KV_OFFLOAD_DEBUG", "0").lower() in ("1", "true")
+
+
+@dataclass(eq=False)
+class BackupHandle:
+    """One request's pages in one backup launch."""
+
+    id: int
+    tag: Hashable
+    logical_locs: torch.Tensor  # device int64, whole pages
+    host_slots: torch.Tensor  # CPU int64, same length
+    host_slots_device: torch.Tensor
+    start: int = -1  # token positions in the request, when known
+    end: int = -1
+    finish_event: Any = None
+    cancelled: bool = False
+    done: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host_slots.numel()
+
+
+class KVOffloadCacheController(HiCacheController):
+    """``HiCacheController`` with kv_offload's token-granular load and page backups.
+
+    Reuses upstream's ``write_stream`` / ``load_stream``, ``tp_group`` and the MIN-all-reduce ack
+    pattern; does not use its CacheOperation queues (their loads allocate device rows, ours go to
+    pre-reserved sparse slots).
+    """
+
+    def __init__(
+        self,
+        token_to_kv_pool_allocator: KVOffloadTokenToKVPoolAllocator,
+        mem_pool_host: KVOffloadHostPool,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        load_config: Optional[CopyLaunchConfig] = None,
+        backup_config: Optional[CopyLaunchConfig] = None,
+        debug: bool = _DEBUG,
+    ):
+        super().__init__(
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            mem_pool_host=mem_pool_host,
+            page_size=mem_pool_host.page_size,
+            tp_group=tp_group,
+            load_cache_event=None,
+            write_policy="write_through",
+            io_backend="kernel",
+        )
+        pool: KVOffloadNSATokenToKVPool = self.mem_pool_device
+        if pool.row_bytes != mem_pool_host.row_bytes:
+            raise ValueError(
+                f"device KV rows are {pool.row_bytes} B but host rows {mem_pool_host.row_bytes} B; "
+                "build the host pool from this device pool"
+            )
+        if mem_pool_host.page_size != pool.page_size:
+            raise ValueError(
+                f"host page_size {mem_pool_host.page_size} != device page_size {pool.page_size}"
+            )
+        token_to_kv_pool_allocator.register_host_pool(mem_pool_host)
+        self.allocator = token_to_kv_pool_allocator
+        dev = torch.device(pool.device)
+        self.load_config = load_config or default_launch_config(dev)
+        self.backup_config = backup_config or default_launch_config(dev)
+        self.debug = debug
+        self.tp_world_size = (
+            torch.distributed.get_world_size(group=tp_group) if tp_group is not None else 1
+        )
+        self.inflight: List[BackupHandle] = []
+        self._ids = itertools.count()
+        self._device_views = pool.row_views
+        self._host_views = mem_pool_host.row_views
+        self._start_layer = pool.start_layer
+
+    # ------------------------------------------------------------------ loads (critical path)
+    def load_one_layer(
+        self,
+        layer_id: int,
+        host_indices: torch.Tensor,
+        device_slots: torch.Tensor,
+        num_valid: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Copy ``host[host_indices[i]] -> kv_buffer[layer][device_slots[i]]`` on the current stream.
+
+        ``host_indices`` / ``device_slots`` are device int32/int64 of a fixed length; entries with a
+        -1 host index are skipped, and only the first ``num_valid[0]`` are read when given.
+        Capture-safe.
+        """
+        l = layer_id - self._start_layer
+        copy_rows(
+            self._host_views[l],
+            self._device_views[l],
+            host_indices,
+            device_slots,
+            num_valid,
+            self.load_config,
+        )
+
+    # ------------------------------------------------------------------ backups
+    def backup(
+        self,
+        logical_locs: torch.Tensor,
+        tag: Hashable = None,
+        start: int = -1,
+        end: int = -1,
+    ) -> Optional[BackupHandle]:
+        """Back up whole pages of logical locs (all layers) to new host slots.
+
+        Returns ``None`` when the host pool is full (nothing changes; retry later).
+        """
+        handles = self.backup_batch([(tag, logical_locs, start, end)])
+        return handles[0] if handles else None
+
+    def backup_batch(
+        self, items: Sequence[Tuple[Hashable, torch.Tensor, int, int]]
+    ) -> Optional[List[BackupHandle]]:
+        """Several ``(tag, logical_locs, start, end)`` backups in one launch per layer.
+
+        All or nothing: ``None`` when the host pool cannot hold every item.
+        """
+        page = self.page_size
+        items = [it for it in items if it[1].numel() > 0]
+        if not items:
+            return []
+        for tag, locs, _, _ in items:
+            if locs.numel() % page != 0:
+                raise ValueError(
+                    f"kv_offload backup of {locs.numel()} tokens (tag={tag!r}) is not a whole number "
+                    f"of pages of {page}; back up complete pages only and keep the tail on the GPU"
+                )
+            if self.debug:
+                self._check_whole_pages(locs, tag)
+        total = sum(it[1].numel() for it in items)
+        host_all = self.mem_pool_host.alloc(total)
+        if host_all is None:
+            logger.warning(
+                "kv_offload host pool full: %d tokens requested, %d free; backup deferred",
+                total,
+                self.mem_pool_host.available_size(),
+            )
+            return None
+
+        locs_all = torch.cat([it[1] for it in items]).to(torch.int64)
+        device_rows = self.allocator.full_to_hisparse_device_index_mapping[locs_all]
+        host_dev = host_all.to(self.device, non_blocking=True)
+
+        start_event = device_module.Event()
+        finish_event = device_module.Event()
+        # The forward that wrote these rows runs on the current stream; order the copy after it.
+        start_event.record()
+        with device_module.stream(self.write_stream):
+            start_event.wait(self.write_stream)
+            copy_rows_all_layers(
+                self._device_views,
+                self._host_views,
+                device_rows,
+                host_dev,
+                config=self.backup_config,
+            )
+            finish_event.record()
+            if device_rows.is_cuda:
+                device_rows.record_stream(self.write_stream)
+                host_dev.record_stream(self.write_stream)
+
+        handles = []
+        off = 0
+        for tag, locs, start, end in items:
+            n = locs.numel()
+            handles.append(
+                BackupHandle(
+                    id=next(self._ids),
+                    tag=tag,
+                    logical_locs=locs_all[off : off + n],
+                    host_slots=host_all[off : off + n],
+                    host_slots_device=host_dev[off : off + n],
+                    start=start,
+                    end=end,
+                    finish_event=finish_event,
+                )
+            )
+            off += n
+        self.inflight.extend(handles)
+        return handles
+
+    def backup_request_pages(
+        self,
+        req_to_token: torch.Tensor,
+        req_pool_idx: int,
+        start: int,
+        end: int,
+        tag: Hashable = None,
+    ) -> Optional[BackupHandle]:
+        """Back up the complete pages of positions ``[start, end)`` of one request.
+
+        ``start`` must be page aligned (the previous backup's ``end``); ``end`` is rounded down to a
+        page, so the decode tail (< one page) stays on the GPU. Prompt: ``start=0, end=prompt_len``;
+        decode tail: ``start=<last handle's end>, end=seq_len``. Returns ``None`` when there is no
+        complete page or the host pool is full.
+        """
+        page = self.page_size
+        if start % page != 0:
+            raise ValueError(
+                f"kv_offload backup start position {start} (tag={tag!r}) is not a multiple of "
+                f"page_size {page}; start from the end of the previous backup"
+            )
+        end_aligned = end // page * page
+        if end_aligned <= start:
+            return None
+        locs = req_to_token[req_pool_idx, start:end_aligned].to(torch.int64)
+        return self.backup(locs, tag=tag, start=start, end=end_aligned)
+
+    def _check_whole_pages(self, locs: torch.Tensor, tag: Hashable) -> None:
+        pages = locs.view(-1, self.page_size)
+        expect = pages[:, :1] + torch.arange(self.page_size, device=locs.device)
+        phys = self.allocator.full_to_hisparse_device_index_mapping[locs]
+        if not bool(((pages == expect) & (pages[:, :1] % self.page_size == 0)).all()):
+            raise ValueError(f"kv_offload backup (tag={tag!r}): logical locs are not whole pages")
+        if not bool((phys > 0).all()):
+            raise ValueError(
+                f"kv_offload backup (tag={tag!r}): some logical locs have no physical KV row"
+            )
+
+    # ------------------------------------------------------------------ completion
+    def poll(self) -> List[BackupHandle]:
+        """Complete finished backups without blocking; returns the non-cancelled ones.
+
+        FIFO on one stream, so the finished ones are a prefix. Under TP every rank completes the
+        same count (MIN over ranks), keeping the schedulers in lockstep.
+        """
+        n = 0
+        for h in self.inflight:
+            if not h.finish_event.query():
+                break
+            n += 1
+        if self.tp_world_size > 1:
+            count = torch.tensor(n, dtype=torch.int)
+            torch.distributed.all_reduce(
+                count, op=torch.distributed.ReduceOp.MIN, group=self.tp_group
+            )
+            n = int(count.item())
+        return self._complete(n)
+
+    def drain(self) -> List[BackupHandle]:
+        """Wait for every in-flight backup and complete it (shutdown, tests)."""
+        for h in self.inflight:
+            h.finish_event.synchronize()
+        return self.poll()
+
+    def _complete(self, n: int) -> List[BackupHandle]:
+        done, self.inflight = self.inflight[:n], self.inflight[n:]
+        finished = []
+        for h in done:
+            h.done = True
+            if h.cancelled:
+                self.mem_pool_host.free(h.host_slots)
+                continue
+            self.allocator.set_host_locs(h.logical_locs, h.host_slots_device)
+            self.allocator.release_physical(h.logical_locs)
+            finished.append(h)
+        return finished
+
+    def cancel(self, handle: BackupHandle) -> bool:
+        """Abort an in-flight backup: its host slots are freed once its copy has finished.
+
+        Returns False when the handle had already completed (its slots then belong to
+        ``loc_to_host`` and are freed with the request's logical locs).
+        """
+        if handle.done or handle.cancelled:
+            return False
+        handle.cancelled = True
+        return True
+
+    def cancel_tag(self, tag: Hashable) -> int:
+        """Cancel every in-flight backup of ``tag``; returns how many."""
+        return sum(self.cancel(h) for h in self.inflight if h.tag == tag)
+
+    abort = cancel_tag
+
+    def release_request(self, tag: Hashable, logical_locs: torch.Tensor) -> None:
+        """Finish / abort / retract: cancel in-flight backups, free logical, physical and host."""
+        self.cancel_tag(tag)
+        self.allocator.free(logical_locs)
+
+    def has_inflight(self, tag: Hashable = None) -> bool:
+        if tag is None:
+            return bool(self.inflight)
+        return any(h.tag == tag and not h.cancelled for h in self.inflight)
+
+    def reset(self):
+        self.drain()
+        super().reset()

@@ -1,0 +1,358 @@
+"""GPU side of kv_offload: logical/physical split NSA pool, its allocator and GPU sizing.
+
+* Logical locations (``req_to_token`` entries) address the indexer key buffer
+  (``index_k_with_scale_buffer``, 132 B/token/layer) for the whole context of every request.
+* Physical KV rows (656 B fp8 layout / 1152 B bf16 per token and layer) exist only for the sparse
+  cache slots and for tokens not yet backed up to the host (prompt pages in flight, decode tail).
+* ``full_to_hisparse_device_index_mapping[logical] -> physical row`` (0 = none) is upstream's
+  HiSparse table, reused as is; ``loc_to_host[logical] -> host slot`` (-1 = not backed up) is ours.
+
+The plan kernel resolves a top-k logical loc as: ``loc_to_host >= 0`` -> sparse cache (hit) or host
+(miss); otherwise the physical tail row from the mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hisparse_memory_pool import (
+    HiSparseNSATokenToKVPool,
+    HiSparseTokenToKVPoolAllocator,
+)
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
+from sglang.srt.utils import get_num_new_pages
+
+logger = logging.getLogger(__name__)
+
+NSA_INDEX_HEAD_DIM = 128
+NSA_INDEX_ROW_BYTES = NSA_INDEX_HEAD_DIM + NSA_INDEX_HEAD_DIM // 128 * 4  # fp8 keys + fp32 scale
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizing
+# --------------------------------------------------------------------------------------------------
+
+
+def kv_row_bytes(kv_cache_dim: int, store_dtype: torch.dtype) -> int:
+    """656 for the NSA fp8 layout (uint8 store), 1152 for bf16 (576 x 2)."""
+    return kv_cache_dim * torch.empty((), dtype=store_dtype).element_size()
+
+
+def index_bytes_per_logical_token(
+    num_layers: int, index_row_bytes: int = NSA_INDEX_ROW_BYTES
+) -> int:
+    return index_row_bytes * num_layers
+
+
+def kv_bytes_per_physical_slot(row_bytes: int, num_layers: int) -> int:
+    return row_bytes * num_layers
+
+
+@dataclass(frozen=True)
+class OffloadPoolSizing:
+    logical_tokens: int
+    physical_slots: int
+    index_bytes: int
+    kv_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.index_bytes + self.kv_bytes
+
+
+def physical_slots_needed(
+    max_running_requests: int,
+    sparse_slots_per_request: int,
+    staging_tokens: int,
+    page_size: int = 64,
+) -> int:
+    """Physical rows for a decode batch.
+
+    Per request: its sparse slots, the decode tail page and the previous page while its backup is in
+    flight. Plus ``staging_tokens`` for prompt KV that has arrived but is not yet backed up.
+    """
+    per_req = -(-sparse_slots_per_request // page_size) * page_size + 2 * page_size
+    total = max_running_requests * per_req + -(-staging_tokens // page_size) * page_size
+    return total
+
+
+def split_gpu_budget(
+    budget_bytes: int,
+    num_layers: int,
+    row_bytes: int,
+    physical_slots: int,
+    page_size: int = 64,
+    index_row_bytes: int = NSA_INDEX_ROW_BYTES,
+) -> OffloadPoolSizing:
+    """Split a GPU byte budget into (logical tokens, physical slots).
+
+    Physical rows cost ``row_bytes * num_layers`` each; every remaining byte goes to logical tokens
+    at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
+    the host). Both counts are page aligned. Upstream ``get_cell_size_per_token`` charges
+    ``(row + 132) * layers`` per token, which overstates an offloaded token's cost by ~6x.
+    """
+    physical_slots = -(-physical_slots // page_size) * page_size
+    kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
+    per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes)
+    left = budget_bytes - kv_bytes
+    logical = max(0, left) // per_logical // page_size * page_size
+    if logical < page_size:
+        raise ValueError(
+            f"kv_offload GPU budget of {budget_bytes / 1e9:.3f} GB is too small: {physical_slots} "
+            f"physical KV slots take {kv_bytes / 1e9:.3f} GB ({row_bytes} B x {num_layers} layers "
+            f"each), leaving no room for a page of index keys ({per_logical} B/token). Lower the "
+            "sparse slots per request or max_running_requests, or raise --mem-fraction-static"
+        )
+    return OffloadPoolSizing(
+        logical_tokens=logical,
+        physical_slots=physical_slots,
+        index_bytes=logical * per_logical,
+        kv_bytes=kv_bytes,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Pool
+# --------------------------------------------------------------------------------------------------
+
+
+class KVOffloadNSATokenToKVPool(HiSparseNSATokenToKVPool):
+    """NSA pool with ``physical_size`` KV rows and ``logical_size`` index-key tokens.
+
+    Upstream ``HiSparseNSATokenToKVPool`` ties the two with an integer ratio; here they are sized
+    independently (see :func:`split_gpu_budget`). KV reads and writes by logical loc are translated
+    through the HiSparse mapping (inherited).
+    """
+
+    def __init__(
+        self,
+        physical_size: int,
+        logical_size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        dtype: torch.dtype,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        index_head_dim: int,
+        enable_memory_saver: bool,
+        kv_cache_dim: int,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+    ):
+        for name, n in (("physical_size", physical_size), ("logical_size", logical_size)):
+            if n <= 0 or n % page_size != 0:
+                raise ValueError(
+                    f"kv_offload {name}={n} must be a positive multiple of page_size {page_size}"
+                )
+        # Skip HiSparseNSATokenToKVPool.__init__: it derives index_buf_size from an integer ratio.
+        NSATokenToKVPool.__init__(
+            self,
+            size=physical_size,
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            dtype=dtype,
+            qk_rope_head_dim=qk_rope_head_dim,
+            layer_num=layer_num,
+            device=device,
+            index_head_dim=index_head_dim,
+            enable_memory_saver=enable_memory_saver,
+            kv_cache_dim=kv_cache_dim,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            index_buf_size=logical_size,
+        )
+        self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
+        self.physical_size = physical_size
+        self.logical_size = logical_size
+        self.loc_to_host: Optional[torch.Tensor] = None
+        self.row_views: List[RowView] = [RowView(buf) for buf in self.kv_buffer]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.bytes_per_token
+
+    def register_loc_to_host(self, loc_to_host: torch.Tensor) -> None:
+        self.loc_to_host = loc_to_host
+
+    def device_row_view(self, layer_id: int) -> torch.Tensor:
+        """``(physical_size + page_size, row_bytes) uint8`` view of one layer's KV rows."""
+        buf = self.kv_buffer[layer_id - self.start_layer]
+        return buf.view(buf.shape[0], -1).view(torch.uint8)
+
+    def allocated_bytes(self) -> Dict[str, int]:
+        """Bytes really allocated on the device, by kind."""
+        kv = sum(b.nbytes for b in self.kv_buffer)
+        index = sum(b.nbytes for b in self.index_k_with_scale_buffer)
+        return {"kv": kv, "index": index, "total": kv + index}
+
+    def get_cell_size_per_token(self) -> Dict[str, int]:
+        """Per-unit costs: index bytes per logical token, KV bytes per physical slot."""
+        index_row = self.index_k_with_scale_buffer[0].shape[1] // self.page_size
+        return {
+            "logical": index_row * self.layer_num,
+            "physical": self.bytes_per_token * self.layer_num,
+        }
+
+
+class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
+    """Logical + physical page allocators of the split pool, plus the ``loc_to_host`` table.
+
+    Differences from upstream HiSparse:
+    * independent logical / physical sizes;
+    * ``alloc_decode`` also gives each new token a physical row (the decode tail lives on the GPU
+      until its page is complete and backed up);
+    * ``free`` also returns the host slots of the freed logical pages (page granular, like the
+      device allocators), so finish / abort / retract through the ordinary free path leak nothing.
+    """
+
+    def __init__(
+        self,
+        logical_size: int,
+        physical_size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: KVOffloadNSATokenToKVPool,
+        need_sort: bool,
+    ):
+        # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space by a ratio.
+        self._kvcache = kvcache
+        self._size_full = logical_size
+        self._size_hisparse = physical_size
+        self.size = logical_size
+        self.dtype = dtype
+        self.device = device
+        self.page_size = page_size
+        self.need_sort = need_sort
+        self.logical_attn_allocator = PagedTokenToKVPoolAllocator(
+            logical_size, page_size, dtype, device, kvcache, need_sort
+        )
+        self.hisparse_attn_allocator = PagedTokenToKVPoolAllocator(
+            physical_size, page_size, dtype, device, kvcache, need_sort
+        )
+        # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
+        self.full_to_hisparse_device_index_mapping = torch.cat(
+            [
+                torch.zeros(logical_size + page_size, dtype=torch.int64, device=device),
+                torch.tensor([-1], dtype=torch.int64, device=device),
+            ]
+        )
+        self.loc_to_host = torch.full(
+            (logical_size + page_size + 1,), -1, dtype=torch.int64, device=device
+        )
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        self.host_pool = None
+        self.free_pages = None
+        self.release_pages = None
+        self.is_not_in_free_group = True
+        self.free_group = []
+        self.clear()
+        self._kvcache.register_mapping(weakref.proxy(self.full_to_hisparse_device_index_mapping))
+        self._kvcache.register_loc_to_host(weakref.proxy(self.loc_to_host))
+
+    # ------------------------------------------------------------------ wiring / views
+    def register_host_pool(self, host_pool) -> None:
+        """Lets ``free`` return host slots; ``host_pool`` is a ``KVOffloadHostPool``."""
+        self.host_pool = host_pool
+
+    @property
+    def logical_size(self) -> int:
+        return self._size_full
+
+    @property
+    def physical_size(self) -> int:
+        return self._size_hisparse
+
+    def logical_available_size(self) -> int:
+        return self.logical_attn_allocator.available_size()
+
+    def physical_available_size(self) -> int:
+        return self.hisparse_attn_allocator.available_size()
+
+    def free_counts(self) -> Dict[str, int]:
+        """Free slots of every allocator involved (what leak checks compare)."""
+        out = {
+            "logical": self.logical_available_size(),
+            "physical": self.physical_available_size(),
+        }
+        if self.host_pool is not None:
+            out["host"] = self.host_pool.available_size()
+        return out
+
+    # ------------------------------------------------------------------ allocation
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+    ) -> Optional[torch.Tensor]:
+        """One logical loc per request and a physical tail row mapped to it."""
+        need_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        for a in (self.logical_attn_allocator, self.hisparse_attn_allocator):
+            if a.need_sort and need_pages > len(a.free_pages):
+                a.merge_and_sort_free()
+        # Check both first: the paged allocator cannot roll back one side if the other fails.
+        if need_pages > len(self.logical_attn_allocator.free_pages) or need_pages > len(
+            self.hisparse_attn_allocator.free_pages
+        ):
+            return None
+        logical = self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        # When a token starts a new page the kernel ignores last_loc, so a previous page that has
+        # already been backed up and released (mapping 0) is harmless.
+        physical_last = self.full_to_hisparse_device_index_mapping[last_loc]
+        physical = self.hisparse_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, physical_last)
+        assert logical is not None and physical is not None
+        self.full_to_hisparse_device_index_mapping[logical] = physical
+        return logical
+
+    # ------------------------------------------------------------------ host bookkeeping
+    def set_host_locs(self, logical_locs: torch.Tensor, host_slots: torch.Tensor) -> None:
+        self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)
+
+    def release_physical(self, logical_locs: torch.Tensor) -> None:
+        """Free the physical rows behind ``logical_locs`` (whole pages) and clear their mapping."""
+        self.free_hisparse(logical_locs)
+
+    def _whole_pages(self, locs: torch.Tensor) -> torch.Tensor:
+        pages = torch.unique(locs // self.page_size)
+        pages = pages[pages > 0]
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def free_host(self, logical_locs: torch.Tensor) -> int:
+        """Return the host slots of the logical pages touched by ``logical_locs``."""
+        if logical_locs.numel() == 0:
+            return 0
+        locs = self._whole_pages(logical_locs.to(self.loc_to_host.device))
+        host = self.loc_to_host[locs]
+        host = host[host >= 0]
+        self.loc_to_host[locs] = -1
+        if host.numel() == 0:
+            return 0
+        if self.host_pool is None:
+            raise RuntimeError(
+                "kv_offload allocator holds host slots but no host pool is registered "
+                "(call register_host_pool)"
+            )
+        self.host_pool.free(host)
+        return host.numel()
+
+    def free(self, free_index: torch.Tensor):
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        self.free_host(free_index)
+        super().free(free_index)
+
+    def clear(self):
+        super().clear()
+        if self.loc_to_host is not None:
+            self.loc_to_host.fill_(-1)

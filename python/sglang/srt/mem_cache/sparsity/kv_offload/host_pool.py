@@ -1,0 +1,185 @@
+"""Pinned host pool holding the full latent KV of every running request (KV only, layer_first).
+
+Imported only when ``--enable-kv-offload`` is on: upstream ``memory_pool_host`` imports
+``sgl_kernel.kvcacheio`` at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import List, Optional
+
+import psutil
+import torch
+from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, get_allocator_from_storage
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+# Upstream HostKVCache keeps 10 GiB of host RAM for everything else; keep the same margin.
+DEFAULT_HOST_RESERVE_BYTES = 10 * (1 << 30)
+
+
+class HostPoolSizeError(ValueError):
+    """The requested host pool does not fit, or is too small to be useful."""
+
+
+def host_kv_bytes_per_token(row_bytes: int, num_layers: int) -> int:
+    """Host bytes per token: one KV row per layer (656 B fp8 layout or 1152 B bf16)."""
+    return row_bytes * num_layers
+
+
+def host_pool_tokens(
+    size_per_token: int,
+    page_size: int,
+    host_size_gb: float = 0.0,
+    host_pool_ratio: float = 0.0,
+    ratio_base_tokens: int = 0,
+) -> int:
+    """Number of host token slots (a multiple of ``page_size``) for the configured size.
+
+    ``host_size_gb`` (decimal GB, as upstream ``--hicache-size``) wins over ``host_pool_ratio``,
+    which multiplies ``ratio_base_tokens`` (the logical token capacity of the device pool).
+    """
+    if host_size_gb and host_size_gb > 0:
+        tokens = int(host_size_gb * GB // size_per_token)
+    elif host_pool_ratio and host_pool_ratio > 0:
+        tokens = int(ratio_base_tokens * host_pool_ratio)
+    else:
+        raise HostPoolSizeError(
+            "kv_offload host pool size is not set: set host_pool_size_gb or host_pool_ratio "
+            "in --kv-offload-config"
+        )
+    return tokens // page_size * page_size
+
+
+class KVOffloadHostPool(MLATokenToKVPoolHost):
+    """``MLATokenToKVPoolHost`` restricted to kv_offload's needs.
+
+    * KV rows only (the indexer keys stay on the GPU): ``kv_cache_dim * itemsize`` bytes per token
+      and layer, i.e. 656 B for the fp8 layout and 1152 B for bf16.
+    * ``layer_first`` so one layer of the pool is a contiguous ``(size, row_bytes)`` array the
+      UVA kernels index directly.
+    * Allocation in whole pages of ``page_size`` (64) slots.
+    * Pinned with ``cudaHostRegister`` on GPU (upstream ``alloc_with_host_register``), plain memory
+      on CPU.
+
+    ``HostKVCache.__init__`` is replaced (not called) because it asserts the host pool is larger than
+    the device pool, which is meaningless once the device only holds a sparse buffer, and its
+    out-of-memory message names the HiCache flags instead of ours.
+    """
+
+    def __init__(
+        self,
+        device_pool,
+        host_size_gb: float = 0.0,
+        host_pool_ratio: float = 0.0,
+        page_size: int = 64,
+        ratio_base_tokens: Optional[int] = None,
+        pin_memory: Optional[bool] = None,
+        allocator_type: str = "default",
+        host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
+    ):
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.device_pool = device_pool
+        self.page_size = page_size
+        self.layout = "layer_first"
+        self.device = "cpu"
+        on_gpu = str(device_pool.device).startswith("cuda")
+        self.pin_memory = on_gpu if pin_memory is None else pin_memory
+        if self.pin_memory and not on_gpu:
+            raise ValueError("pin_memory=True needs a CUDA device pool")
+        self.allocator = get_allocator_from_storage(allocator_type)
+        self.override_kv_cache_dim = device_pool.kv_cache_dim
+        self.dtype = device_pool.store_dtype
+        self.size_per_token = self.get_size_per_token()
+        self.start_layer = device_pool.start_layer
+        self.end_layer = device_pool.end_layer
+
+        if ratio_base_tokens is None:
+            ratio_base_tokens = logical_capacity(device_pool)
+        self.size = host_pool_tokens(
+            self.size_per_token, page_size, host_size_gb, host_pool_ratio, ratio_base_tokens
+        )
+        self.page_num = self.size // page_size
+        if self.size < page_size:
+            raise HostPoolSizeError(
+                f"kv_offload host pool holds {self.size} tokens (host_pool_size_gb={host_size_gb}, "
+                f"host_pool_ratio={host_pool_ratio}, {self.size_per_token} B/token); it needs at "
+                f"least one page of {page_size} tokens. Increase host_pool_size_gb or "
+                "host_pool_ratio in --kv-offload-config"
+            )
+        self._check_host_memory(host_size_gb, host_pool_ratio, host_reserve_bytes)
+
+        self.kv_buffer = self.init_kv_buffer()
+        self.lock = threading.RLock()
+        self.clear()
+
+        # What MLATokenToKVPoolHost.__init__ sets after HostKVCache.__init__ (kept for upstream
+        # helpers such as get_contiguous_buf_infos, used to register the pool with Mooncake).
+        self.can_use_jit = False
+        self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)]
+        self.data_ptrs = torch.tensor(
+            [x.data_ptr() for x in self.data_refs], dtype=torch.uint64, device=device_pool.device
+        )
+        self.row_views: List[RowView] = [RowView(self.kv_buffer[i]) for i in range(self.layer_num)]
+        logger.info(
+            "kv_offload host pool: %d tokens x %d layers x %d B = %.2f GB (%s)",
+            self.size,
+            self.layer_num,
+            self.token_stride_size,
+            self.size * self.size_per_token / GB,
+            "pinned" if self.pin_memory else "pageable",
+        )
+
+    def _check_host_memory(self, host_size_gb, host_pool_ratio, reserve: int) -> None:
+        requested = self.size * self.size_per_token
+        available = psutil.virtual_memory().available - reserve
+        if requested > available:
+            per_token = self.size_per_token
+            fit_tokens = max(0, available) // per_token
+            raise HostPoolSizeError(
+                f"kv_offload host pool does not fit in host memory: requested "
+                f"{requested / GB:.2f} GB ({self.size} tokens x {per_token} B/token; "
+                f"host_pool_size_gb={host_size_gb}, host_pool_ratio={host_pool_ratio}) but only "
+                f"{max(0, available) / GB:.2f} GB is free after keeping {reserve / GB:.2f} GB for "
+                f"the rest of the process. Set host_pool_size_gb <= {max(0, available) / GB:.1f} "
+                f"(about {fit_tokens} tokens) or lower host_pool_ratio in --kv-offload-config"
+            )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def row_bytes(self) -> int:
+        return self.token_stride_size
+
+    def host_row_view(self, layer_id: int) -> torch.Tensor:
+        """``(size, row_bytes) uint8`` view of one layer (what the kernels index)."""
+        return self.kv_buffer[layer_id - self.start_layer].view(self.size, -1).view(torch.uint8)
+
+    # ------------------------------------------------------------------ allocation
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` slots (CPU int64), in whole pages; ``None`` when the pool is full."""
+        if need_size % self.page_size != 0:
+            raise ValueError(
+                f"kv_offload host pool allocates whole pages: {need_size} tokens is not a "
+                f"multiple of page_size {self.page_size}; back up only complete pages"
+            )
+        return super().alloc(need_size)
+
+    def free(self, indices: torch.Tensor) -> int:
+        with self.lock:
+            if self.available_size() + len(indices) > self.size:
+                raise RuntimeError(
+                    f"kv_offload host pool double free: freeing {len(indices)} slots with "
+                    f"{self.available_size()} of {self.size} already free"
+                )
+            return super().free(indices)
+
+
+def logical_capacity(device_pool) -> int:
+    """Token capacity of the logical (req_to_token / index) space of a device pool."""
+    n = getattr(device_pool, "logical_size", None)
+    return int(n) if n is not None else int(device_pool.size)

@@ -1,0 +1,167 @@
+"""Split NSA device pool + allocator: accounting, sizing, decode tail rows, loc_to_host (CPU)."""
+
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+    KVOffloadNSATokenToKVPool,
+    KVOffloadTokenToKVPoolAllocator,
+    index_bytes_per_logical_token,
+    kv_bytes_per_physical_slot,
+    kv_row_bytes,
+    physical_slots_needed,
+    split_gpu_budget,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+
+P = 64
+FP8 = (torch.float8_e4m3fn, 656)
+BF16 = (torch.bfloat16, 576)
+
+
+def make(layers=2, dtype_dim=FP8, physical=256, logical=1024, host_ratio=1.0):
+    dtype, dim = dtype_dim
+    pool = KVOffloadNSATokenToKVPool(
+        physical_size=physical,
+        logical_size=logical,
+        page_size=P,
+        kv_lora_rank=512,
+        dtype=dtype,
+        qk_rope_head_dim=64,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=dim,
+    )
+    alloc = KVOffloadTokenToKVPoolAllocator(logical, physical, P, dtype, "cpu", pool, False)
+    host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio)
+    alloc.register_host_pool(host)
+    return pool, alloc, host
+
+
+def extend(alloc, lens, prefix=None):
+    """Allocate prompts of ``lens`` tokens (real upstream paged alloc_extend)."""
+    n = len(lens)
+    seq = torch.tensor(lens, dtype=torch.int64)
+    pre = torch.zeros(n, dtype=torch.int64) if prefix is None else torch.tensor(prefix)
+    last = torch.full((n,), -1, dtype=torch.int64)
+    return alloc.alloc_extend(pre, pre, seq, seq, last, int((seq - pre).sum()))
+
+
+def test_sizing_deepseek_v32():
+    layers = 61
+    assert index_bytes_per_logical_token(layers) == 132 * 61
+    assert kv_bytes_per_physical_slot(656, layers) == 656 * 61
+    assert kv_bytes_per_physical_slot(1152, layers) == 1152 * 61
+    assert kv_row_bytes(656, torch.uint8) == 656 and kv_row_bytes(576, torch.bfloat16) == 1152
+    phys = physical_slots_needed(128, 4096, staging_tokens=32768 + 1)
+    assert phys == 128 * (4096 + 128) + 32768 + 64
+    budget = 60 * 10**9
+    s = split_gpu_budget(budget, layers, 656, phys)
+    assert s.physical_slots == phys
+    assert s.kv_bytes == phys * 656 * 61
+    assert s.index_bytes == s.logical_tokens * 132 * 61
+    assert s.logical_tokens % P == 0
+    assert s.total_bytes <= budget < s.total_bytes + P * 132 * 61
+    # all-on-GPU upstream sizing (get_cell_size_per_token) would fit far fewer tokens
+    assert s.logical_tokens > 3 * budget // ((656 + 132) * 61)
+    s16 = split_gpu_budget(budget, layers, 1152, phys)
+    assert s16.kv_bytes == phys * 1152 * 61 and s16.logical_tokens < s.logical_tokens
+    with pytest.raises(ValueError, match="too small.*physical KV slots"):
+        split_gpu_budget(phys * 656 * 61, layers, 656, phys)
+
+
+@pytest.mark.parametrize("dtype_dim,row", [(FP8, 656), (BF16, 1152)])
+def test_allocated_bytes_match_formulas(dtype_dim, row):
+    layers, phys, logical = 3, 256, 2048
+    pool, alloc, _ = make(layers, dtype_dim, phys, logical)
+    got = pool.allocated_bytes()
+    assert pool.row_bytes == row
+    assert got["kv"] == (phys + P) * row * layers  # + the padding page (slot 0 is a dummy)
+    assert got["index"] == ((logical + P + 1) // P) * P * 132 * layers
+    assert pool.get_cell_size_per_token() == {"logical": 132 * layers, "physical": row * layers}
+    # the same shapes upstream NSATokenToKVPool gives an all-on-GPU pool of `logical` tokens
+    ref = NSATokenToKVPool(
+        logical, P, 512, dtype_dim[0], 64, layers, "cpu", 128, False, dtype_dim[1]
+    )
+    assert sum(b.nbytes for b in ref.index_k_with_scale_buffer) == got["index"]
+    assert pool.device_row_view(1).shape == (phys + P, row)
+    assert alloc.logical_size == logical and alloc.physical_size == phys
+
+
+def test_loc_to_host_table_and_mapping_are_shared():
+    pool, alloc, _ = make()
+    assert alloc.loc_to_host.shape == (1024 + P + 1,)
+    assert (alloc.loc_to_host == -1).all()
+    locs = extend(alloc, [100])
+    alloc.set_host_locs(locs[:64], torch.arange(64) + 640)
+    assert torch.equal(pool.loc_to_host[locs[:64]], torch.arange(64) + 640)
+    phys = pool.full_to_hisparse_device_index_mapping[locs]
+    assert (phys > 0).all()
+    assert ((phys % P) == (locs % P)).all()  # same in-page offsets in both spaces
+    assert pool.full_to_hisparse_device_index_mapping[-1] == -1
+
+
+def test_decode_tail_gets_physical_rows_and_crosses_pages():
+    pool, alloc, host = make(physical=256, logical=1024)
+    mapping = alloc.full_to_hisparse_device_index_mapping
+    locs = extend(alloc, [64])  # one full prompt page
+    # the prompt page is backed up and its physical page released
+    alloc.set_host_locs(locs, host.alloc(P))
+    alloc.release_physical(locs)
+    assert (mapping[locs] == 0).all() and alloc.physical_available_size() == 256
+    seq_locs = list(locs)
+    for step in range(70):
+        seq_len = 64 + step + 1
+        last = torch.tensor([seq_locs[-1]])
+        new = alloc.alloc_decode(torch.tensor([seq_len]), torch.tensor([seq_len]), last)
+        seq_locs.append(int(new[0]))
+        ph = int(mapping[new[0]])
+        assert ph > 0 and ph % P == (seq_len - 1) % P
+        if seq_len % P != 1:
+            assert ph == int(mapping[seq_locs[-2]]) + 1  # same physical page as the previous token
+    assert alloc.physical_available_size() == 256 - 2 * P
+    alloc.free(torch.tensor(seq_locs))
+    assert alloc.free_counts() == {"logical": 1024, "physical": 256, "host": host.size}
+    assert (alloc.loc_to_host == -1).all() and (mapping[:-1] == 0).all()
+
+
+def test_alloc_decode_fails_without_side_effects_when_physical_is_full():
+    pool, alloc, _ = make(physical=192, logical=1024)
+    a = torch.cat([extend(alloc, [64]), extend(alloc, [64])])  # one physical page left
+    before = alloc.free_counts()
+    assert before["physical"] == P and before["logical"] == 1024 - 2 * P
+    seq = torch.tensor([65, 65])  # both start a new page: two needed
+    out = alloc.alloc_decode(seq, seq, a.view(2, P)[:, -1].contiguous())
+    assert out is None
+    assert alloc.free_counts() == before
+
+
+def test_free_returns_host_slots_page_granular():
+    pool, alloc, host = make(physical=512)
+    start = alloc.free_counts()
+    locs = extend(alloc, [200, 64])
+    a, b = locs[:200], locs[200:]
+    h = host.alloc(3 * P)
+    alloc.set_host_locs(a[: 3 * P], h)
+    alloc.release_physical(a[: 3 * P])
+    # freeing one token of a page frees the whole logical page, and with it that page's host slots
+    alloc.free(a[70:71])
+    assert host.available_size() == start["host"] - 2 * P
+    assert (alloc.loc_to_host[a[64:128]] == -1).all()
+    assert (alloc.loc_to_host[a[:64]] >= 0).all()
+    alloc.free(torch.cat([a[:64], a[128:]]))
+    alloc.free(b)
+    assert alloc.free_counts() == start
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of page_size 64"):
+        make(physical=100)
+    _, alloc, _ = make()
+    alloc.host_pool = None
+    locs = extend(alloc, [64])
+    alloc.set_host_locs(locs, torch.arange(64))
+    with pytest.raises(RuntimeError, match="register_host_pool"):
+        alloc.free(locs)

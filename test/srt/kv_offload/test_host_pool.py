@@ -1,0 +1,126 @@
+"""KVOffloadHostPool: sizing, layout, page-aligned allocation and clear errors (CPU)."""
+
+import psutil
+import pytest
+import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import KVOffloadNSATokenToKVPool
+from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import (
+    HostPoolSizeError,
+    KVOffloadHostPool,
+    host_kv_bytes_per_token,
+    host_pool_tokens,
+)
+
+P = 64
+FP8 = (torch.float8_e4m3fn, 656)  # NSA fp8 layout: 512 fp8 + 16 B scales + 64 bf16 rope
+BF16 = (torch.bfloat16, 576)
+
+
+def device_pool(layers=2, dtype_dim=FP8, physical=256, logical=1024):
+    dtype, dim = dtype_dim
+    return KVOffloadNSATokenToKVPool(
+        physical_size=physical,
+        logical_size=logical,
+        page_size=P,
+        kv_lora_rank=512,
+        dtype=dtype,
+        qk_rope_head_dim=64,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=dim,
+    )
+
+
+def test_sizing_formulas_deepseek_v32():
+    assert host_kv_bytes_per_token(656, 61) == 656 * 61 == 40016
+    assert host_kv_bytes_per_token(1152, 61) == 70272
+    # 100 GB of host at 40016 B/token, page aligned down
+    assert host_pool_tokens(40016, P, host_size_gb=100) == (int(100e9 // 40016) // P) * P
+    assert host_pool_tokens(40016, P, host_pool_ratio=2.5, ratio_base_tokens=1000) == 2496
+    # GB wins over ratio
+    assert (
+        host_pool_tokens(1000, P, host_size_gb=1e-3, host_pool_ratio=9, ratio_base_tokens=10**6)
+        == 960
+    )
+
+
+@pytest.mark.parametrize("dtype_dim,row", [(FP8, 656), (BF16, 1152)])
+def test_real_pool_bytes_per_token_61_layers(dtype_dim, row):
+    pool = device_pool(layers=61, dtype_dim=dtype_dim, physical=64, logical=128)
+    host = KVOffloadHostPool(pool, host_pool_ratio=1)
+    assert host.get_size_per_token() == row * 61 == host.size_per_token
+    assert host.row_bytes == row
+    assert host.size == 128
+    assert tuple(host.kv_buffer.shape[:2]) == (61, 128)
+    assert host.kv_buffer.nbytes == 128 * row * 61
+    assert host.host_row_view(60).shape == (128, row)
+
+
+@pytest.mark.parametrize("dtype_dim", [FP8, BF16])
+def test_layout_and_row_view_share_memory(dtype_dim):
+    pool = device_pool(dtype_dim=dtype_dim)
+    host = KVOffloadHostPool(pool, host_size_gb=0.0002)  # 200 kB
+    row = host.row_bytes
+    assert host.size == int(200_000 // (row * 2)) // P * P
+    assert host.layout == "layer_first" and not host.pin_memory
+    assert host.kv_buffer.dtype == pool.store_dtype
+    v = host.host_row_view(1)
+    layer0 = host.kv_buffer[0].clone()  # the pool is torch.empty: compare, do not expect zeros
+    assert v.dtype == torch.uint8 and v.shape == (host.size, row)
+    v[5].fill_(7)
+    assert (host.kv_buffer[1, 5].view(torch.uint8) == 7).all()
+    assert torch.equal(host.kv_buffer[0], layer0)
+    assert host.row_views[1].words.data_ptr() == host.kv_buffer[1].data_ptr()
+
+
+def test_ratio_is_relative_to_logical_capacity():
+    pool = device_pool(physical=256, logical=1024)
+    host = KVOffloadHostPool(pool, host_pool_ratio=1.5)
+    assert host.size == 1536  # not physical * ratio
+
+
+def test_alloc_is_page_aligned_after_churn():
+    host = KVOffloadHostPool(device_pool(), host_pool_ratio=1)
+    start = host.available_size()
+    a = host.alloc(3 * P)
+    b = host.alloc(P)
+    c = host.alloc(2 * P)
+    host.free(b)
+    host.free(a)
+    d = host.alloc(4 * P)
+    for t in (c, d):
+        pages = t.view(-1, P)
+        assert (pages[:, 0] % P == 0).all()
+        assert (pages - pages[:, :1] == torch.arange(P)).all()
+    host.free(c)
+    host.free(d)
+    assert host.available_size() == start
+    assert host.alloc(start + P) is None
+    assert host.available_size() == start
+
+
+def test_errors():
+    pool = device_pool()
+    host = KVOffloadHostPool(pool, host_pool_ratio=1)
+    with pytest.raises(ValueError, match="multiple of page_size 64"):
+        host.alloc(65)
+    with pytest.raises(RuntimeError, match="double free"):
+        host.free(torch.arange(P))
+    with pytest.raises(HostPoolSizeError, match="host_pool_size_gb or host_pool_ratio"):
+        KVOffloadHostPool(pool)
+    with pytest.raises(HostPoolSizeError, match="at least one page"):
+        KVOffloadHostPool(pool, host_size_gb=1e-6)
+    with pytest.raises(ValueError, match="needs a CUDA device pool"):
+        KVOffloadHostPool(pool, host_pool_ratio=1, pin_memory=True)
+
+
+def test_too_large_names_the_numbers_and_keys():
+    pool = device_pool()
+    free_gb = psutil.virtual_memory().available / 1e9
+    with pytest.raises(HostPoolSizeError) as ei:
+        KVOffloadHostPool(pool, host_size_gb=free_gb * 4)
+    msg = str(ei.value)
+    assert "requested" in msg and "GB" in msg and "is free" in msg
+    assert "host_pool_size_gb" in msg and "host_pool_ratio" in msg and "--kv-offload-config" in msg
