@@ -90,8 +90,10 @@ def _plan_layer_kernel(
         hit = slot >= 0
         cold = valid & (slot < 0)
         tail = tl.load(loc_to_tail_ptr + t64, mask=cold, other=-1).to(tl.int32)
-        is_tail = tail >= 0
-        miss = cold & (tail < 0)
+        # Row 0 is the allocators' reserved padding row, and upstream's logical->physical mapping
+        # uses 0 for "unmapped": only a positive row is a tail row.
+        is_tail = tail > 0
+        miss = cold & (tail <= 0)
 
         # 2. mark needed slots, claim missing locs (first occurrence wins)
         offs_s = tl.arange(0, BLOCK_S)
@@ -222,7 +224,8 @@ def plan_layer(
         req_pool_indices: (bs,) int64 request of each row (stale for padded rows).
         num_real_reqs: (1,) int32 device tensor; rows ``>= num_real_reqs[0]`` are padding.
         loc_to_host: (N_logical,) int64 host slot per logical loc, -1 if not backed up.
-        loc_to_tail: (N_logical,) int32/int64 physical tail row per logical loc, -1 otherwise.
+        loc_to_tail: (N_logical,) int32/int64 physical tail row per logical loc; <= 0 (the
+            upstream mapping's 0, or -1) means none.
         state: ``SparseCacheState.layer(layer_id)``; updated in place.
         ws: preallocated workspace (``max_bs >= bs``, same K, ``block_s`` covering the slots).
         num_warps: Triton warps per program (tuning knob).

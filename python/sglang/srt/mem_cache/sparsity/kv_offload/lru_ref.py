@@ -3,7 +3,7 @@
 Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = num_slots[r]``):
 
 1. For each top-k entry ``t``: -1 stays -1; a resident loc (``loc_to_slot[t] >= 0``) is a *hit*; a
-   non-resident loc with ``loc_to_tail[t] >= 0`` resolves to that tail row (no cache use); anything
+   non-resident loc with ``loc_to_tail[t] > 0`` resolves to that tail row (no cache use); anything
    else is a *miss*.
 2. Misses are de-duplicated; unique misses are ranked by first occurrence in the row.
 3. The request's LRU order is split, keeping relative order, into *evictable* slots (not hit this
@@ -78,7 +78,7 @@ def plan_layer_ref(
         slot = torch.where(valid, loc_to_slot[tc].long(), -1)
         hit = slot >= 0
         tail = torch.where(valid & ~hit, loc_to_tail[tc].long(), -1)
-        is_tail = tail >= 0
+        is_tail = tail > 0  # 0 is upstream's "unmapped" (row 0 is the padding row)
         miss = valid & ~hit & ~is_tail
         uq = _unique_first_occurrence(t[miss])
 

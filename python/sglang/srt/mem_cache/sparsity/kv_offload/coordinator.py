@@ -1,0 +1,201 @@
+"""Per-request offload life cycle and the per-layer swap-in for ``--enable-kv-offload``.
+
+A request's KV moves through three places:
+
+* **GPU tail** — rows that have a physical KV row behind their logical loc (the allocator's
+  logical→physical mapping). Prefill / PD transfer leaves the whole prompt here, and each decode
+  token lands here. Attention reads tail rows in place, so a request is runnable the moment it is
+  admitted: nothing waits for its backup.
+* **host** — complete pages are backed up on the controller's write stream; when the copy finishes,
+  ``loc_to_host`` is set and the physical pages are freed (page granular). The tail < 64 stays.
+* **sparse slots** — per-request physical rows granted from the same physical allocator and managed
+  by the GPU LRU (:mod:`sparse_cache`, :mod:`lru_kernels`): each layer's top-k misses are loaded
+  into them just before attention.
+
+The scheduler-side calls (:meth:`admit`, :meth:`before_decode_step`, :meth:`release`) run between
+forward passes and may touch host state; :meth:`swap_in_selected_pages` runs inside the forward
+(CUDA-graph safe: fixed shapes, device-side counts, no sync, no allocation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace, plan_layer
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class OffloadedRequest:
+    """Host-side bookkeeping of one admitted request."""
+
+    req_pool_idx: int
+    seq_len: int
+    backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
+    has_slots: bool = False
+
+
+class KVOffloadCoordinator:
+    """Owns every request's offload state; the only object the hooks talk to.
+
+    Args:
+        req_to_token: ``ReqToTokenPool.req_to_token`` (logical locs per request position).
+        allocator: ``KVOffloadTokenToKVPoolAllocator`` (logical, physical and host bookkeeping).
+        controller: ``KVOffloadCacheController`` (loads and backups).
+        sparse_cache: the GPU LRU state; its slot allocator is the physical allocator.
+        max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace.
+    """
+
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        allocator,
+        controller,
+        sparse_cache: SparseCacheState,
+        max_bs: int,
+    ) -> None:
+        self.req_to_token = req_to_token
+        self.allocator = allocator
+        self.controller = controller
+        self.sparse_cache = sparse_cache
+        self.page_size = allocator.page_size
+        self.device = sparse_cache.device
+        self.topk = sparse_cache.topk
+        self.max_bs = max_bs
+        self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
+        # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; hooks set it before replay.
+        self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        self.requests: Dict[int, OffloadedRequest] = {}
+        self.stats = {"admitted": 0, "released": 0, "backup_tokens": 0, "deferred_backups": 0}
+
+    # ------------------------------------------------------------------ scheduler side
+    def admit(self, req_pool_idx: int, seq_len: int) -> None:
+        """Take over a request whose prompt KV sits in GPU tail rows (after prefill or PD transfer).
+
+        Starts the backup of its complete prompt pages and asks for sparse slots; neither is waited
+        for. Raises if the request is already admitted (exactly-once).
+        """
+        r = int(req_pool_idx)
+        if r in self.requests:
+            raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
+        req = OffloadedRequest(req_pool_idx=r, seq_len=int(seq_len))
+        self.requests[r] = req
+        self.stats["admitted"] += 1
+        self._grant_slots(req)
+        self._start_backups([req])
+
+    def before_decode_step(self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> None:
+        """Between forwards: complete finished backups, back up newly completed pages, grow slots.
+
+        ``seq_lens`` are the lengths including the token about to be decoded (whose logical loc and
+        tail row are already allocated).
+        """
+        self.poll()
+        reqs = []
+        for r, n in zip(req_pool_indices, seq_lens):
+            req = self.requests.get(int(r))
+            if req is None:
+                continue  # not offloaded (e.g. admitted in this very step by the caller later)
+            req.seq_len = int(n)
+            self._grant_slots(req)
+            reqs.append(req)
+        self._start_backups(reqs)
+
+    def poll(self) -> int:
+        """Complete finished backups without blocking; returns how many completed."""
+        return len(self.controller.poll())
+
+    def release(self, req_pool_idx: int, free_kv: bool = False) -> bool:
+        """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
+
+        Frees the sparse slots and LRU entries, cancels in-flight backups (their host slots are
+        returned when the copy ends). With ``free_kv`` it also frees the request's logical locs and,
+        through the allocator, their physical rows and host slots; without it the caller frees them
+        (upstream's ``release_kv_cache`` path does, through the same allocator).
+        """
+        req = self.requests.pop(int(req_pool_idx), None)
+        if req is None:
+            return False
+        self.sparse_cache.release(req.req_pool_idx)
+        self.controller.cancel_tag(req.req_pool_idx)
+        if free_kv and req.seq_len > 0:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, : req.seq_len].to(torch.int64))
+        self.stats["released"] += 1
+        return True
+
+    def has_inflight_backups(self) -> bool:
+        return self.controller.has_inflight()
+
+    def drain(self) -> None:
+        """Wait for every backup (shutdown, tests, the idle leak check)."""
+        self.controller.drain()
+
+    # ------------------------------------------------------------------ forward side (graph safe)
+    def set_num_real_reqs(self, n: int) -> None:
+        self.num_real_reqs.fill_(n)
+
+    def swap_in_selected_pages(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        topk_indices: torch.Tensor,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """Resolve one layer's top-k logical locs to physical rows, loading the misses first.
+
+        Same contract as HiSparse's coordinator method of this name, which the NSA backend already
+        calls; returns a ``(bs, topk)`` int32 tensor of rows of ``kv_buffer[layer]`` (-1 kept) in a
+        workspace buffer, never the indexer's tensor.
+        """
+        del seq_lens  # tail rows are found through the logical→physical mapping instead
+        topk = topk_indices if topk_indices.dtype == torch.int32 else topk_indices.to(torch.int32)
+        plan = plan_layer(
+            topk,
+            req_pool_indices,
+            self.num_real_reqs,
+            self.allocator.loc_to_host,
+            self.allocator.full_to_hisparse_device_index_mapping,
+            self.sparse_cache.layer(layer_id),
+            self.workspace,
+        )
+        self.controller.load_one_layer(
+            layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
+        )
+        return plan.out_indices
+
+    # ------------------------------------------------------------------ helpers
+    def _grant_slots(self, req: OffloadedRequest) -> None:
+        if not req.has_slots:
+            req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
+            if not req.has_slots:
+                logger.debug("kv_offload: no sparse slots for req %d yet", req.req_pool_idx)
+        else:
+            self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
+
+    def _start_backups(self, reqs: Iterable[OffloadedRequest]) -> None:
+        items: List[Tuple[int, torch.Tensor, int, int]] = []
+        pending: List[Tuple[OffloadedRequest, int]] = []
+        for req in reqs:
+            end = req.seq_len // self.page_size * self.page_size
+            # Only requests that hold sparse slots give up their tail rows: without slots the
+            # plan could not place a miss.
+            if not req.has_slots or end <= req.backed_up_end:
+                continue
+            locs = self.req_to_token[req.req_pool_idx, req.backed_up_end : end].to(torch.int64)
+            items.append((req.req_pool_idx, locs, req.backed_up_end, end))
+            pending.append((req, end))
+        if not items:
+            return
+        handles = self.controller.backup_batch(items)
+        if handles is None:
+            self.stats["deferred_backups"] += 1
+            return
+        for req, end in pending:
+            self.stats["backup_tokens"] += end - req.backed_up_end
+            req.backed_up_end = end
