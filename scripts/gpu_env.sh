@@ -12,4 +12,5 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/kvo-site "$KVO_ROOT
 KV_OFFLOAD_CACHE="$KVO_ROOT/.gpu/cache" python3 "$KVO_ROOT/scripts/kv_offload_tree.py" \
   --build-dir /tmp/kvb build --no-venv
 mkdir -p /tmp/kvo-stubs && cp -r "$KVO_ROOT/test/srt/kv_offload/cpu_stubs/sgl_kernel" /tmp/kvo-stubs/
+export KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1
 export PYTHONPATH="/tmp/kvb/sglang/python:/tmp/kvo-stubs:/tmp/kvo-site${PYTHONPATH:+:$PYTHONPATH}"

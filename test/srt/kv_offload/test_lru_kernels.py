@@ -268,7 +268,7 @@ def test_gpu_cuda_graph_replay_matches_eager(compact):
                         torch.randperm(c, generator=gg)[:K] + starts[r],
                     ]
                 )[:K]
-                row[torch.randperm(K, generator=gg)[:16]] = row[0]  # duplicates
+                row[torch.randperm(K, generator=gg)[:16]] = row[0].clone()  # duplicates
             rows.append(row)
         topk = torch.stack(rows).to(torch.int32)
         n_real = int(torch.randint(1, G + 1, (1,), generator=gg))

@@ -1,3 +1,54 @@
 """CPU import-time stand-in for sgl_kernel (see ../README.md)."""
 
+import os
+
 __version__ = "0.0.0+cpustub"
+
+if os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
+    # Only on a CUDA machine without sgl_kernel (the lent GPU box): upstream modules import many op
+    # names and submodules at module level because torch reports CUDA. Hand out placeholders that
+    # fail when called, so those modules import; nothing kv_offload runs goes through them.
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    class _Unavailable:
+        def __init__(self, name):
+            self._name = name
+
+        def __call__(self, *args, **kwargs):
+            raise NotImplementedError(f"{self._name} is not available on this machine")
+
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Unavailable(f"{self._name}.{attr}")
+
+    def _module_getattr(prefix):
+        def __getattr__(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Unavailable(f"{prefix}.{name}")
+
+        return __getattr__
+
+    __getattr__ = _module_getattr(__name__)
+
+    class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path, target=None):
+            if fullname.startswith(__name__ + ".") and fullname not in sys.modules:
+                if importlib.machinery.PathFinder.find_spec(fullname, path) is None:
+                    return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+            module.__getattr__ = _module_getattr(spec.name)
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.append(_SubmoduleFinder())

@@ -30,6 +30,8 @@ __all__ = [
     "copy_rows_ref",
     "copy_rows_all_layers",
     "copy_rows_all_layers_ref",
+    "copy_rows_grouped",
+    "copy_rows_grouped_ref",
     "default_launch_config",
 ]
 
@@ -259,6 +261,86 @@ def copy_rows(
     )
 
 
+@triton.jit
+def _copy_rows_grouped_kernel(
+    src_ptr,
+    dst_ptr,
+    src_idx_ptr,
+    dst_idx_ptr,
+    counts_ptr,
+    group_stride,
+    ROW_WORDS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # Program (g, c) copies rows c, c + C, ... of group g (one request's misses): all of a
+    # program's loads stay inside one request's host pages, which keeps the SM's TLB warm.
+    g = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.load(counts_ptr + g).to(tl.int32)
+    n = tl.minimum(tl.maximum(n, 0), group_stride)
+    base = g.to(tl.int64) * group_stride
+    rows_in_tile = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_W)
+    col_ok = cols < ROW_WORDS
+    for tile in range(c, tl.cdiv(n, ROWS), tl.num_programs(1)):
+        e = tile * ROWS + rows_in_tile
+        e_ok = e < n
+        s = tl.load(src_idx_ptr + base + e, mask=e_ok, other=-1).to(tl.int64)
+        d = tl.load(dst_idx_ptr + base + e, mask=e_ok, other=-1).to(tl.int64)
+        m = ((s >= 0) & (d >= 0))[:, None] & col_ok[None, :]
+        v = tl.load(src_ptr + s[:, None] * ROW_WORDS + cols[None, :], mask=m)
+        tl.store(dst_ptr + d[:, None] * ROW_WORDS + cols[None, :], v, mask=m)
+
+
+def copy_rows_grouped(
+    src: Union[RowView, torch.Tensor],
+    dst: Union[RowView, torch.Tensor],
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    counts: torch.Tensor,
+    programs_per_group: int = 8,
+    rows_per_program: int = 4,
+    num_warps: int = 4,
+) -> None:
+    """Grouped form of :func:`copy_rows`: group ``g`` owns entries ``[g*W, g*W + counts[g])``.
+
+    ``src_idx``/``dst_idx`` hold ``G*W`` entries (``W`` = group width, e.g. the top-k), ``counts``
+    is a ``(G,)`` int32 device tensor (the plan kernel's per-request miss counts). The grid is
+    ``(G, programs_per_group)``: fixed for a given batch shape, capture-safe.
+    """
+    src_v = _as_view(src, None)
+    dst_v = _as_view(dst, src_v.word_bytes)
+    if src_v.row_bytes != dst_v.row_bytes:
+        raise ValueError(
+            f"row size mismatch: src rows are {src_v.row_bytes} B, dst rows {dst_v.row_bytes} B"
+        )
+    _check_index("src_idx", src_idx)
+    _check_index("dst_idx", dst_idx)
+    groups = counts.numel()
+    if counts.dtype != torch.int32 or groups == 0:
+        raise ValueError("counts must be a non-empty int32 tensor, one count per group")
+    if src_idx.shape[0] != dst_idx.shape[0] or src_idx.shape[0] % groups != 0:
+        raise ValueError(
+            f"src_idx ({src_idx.shape[0]}) and dst_idx ({dst_idx.shape[0]}) must both hold "
+            f"{groups} groups of equal width"
+        )
+    on_cuda = src_idx.device.type == "cuda"
+    rows = triton.next_power_of_2(max(1, rows_per_program))
+    _copy_rows_grouped_kernel[(groups, max(1, programs_per_group))](
+        src_v.kernel_arg(on_cuda),
+        dst_v.kernel_arg(on_cuda),
+        src_idx,
+        dst_idx,
+        counts,
+        src_idx.shape[0] // groups,
+        ROW_WORDS=src_v.row_words,
+        BLOCK_W=triton.next_power_of_2(src_v.row_words),
+        ROWS=rows,
+        num_warps=num_warps,
+    )
+
+
 def copy_rows_all_layers(
     src_layers: list,
     dst_layers: list,
@@ -312,3 +394,13 @@ def copy_rows_ref(
 def copy_rows_all_layers_ref(src_layers, dst_layers, src_idx, dst_idx, num_valid=None) -> None:
     for s, d in zip(src_layers, dst_layers):
         copy_rows_ref(s, d, src_idx, dst_idx, num_valid)
+
+
+def copy_rows_grouped_ref(src, dst, src_idx, dst_idx, counts) -> None:
+    """Reference semantics of :func:`copy_rows_grouped` (syncs; not for the hot path)."""
+    groups = counts.numel()
+    width = src_idx.shape[0] // groups
+    for g, n in enumerate(counts.cpu().tolist()):
+        n = max(0, min(int(n), width))
+        sl = slice(g * width, g * width + n)
+        copy_rows_ref(src, dst, src_idx[sl], dst_idx[sl])
