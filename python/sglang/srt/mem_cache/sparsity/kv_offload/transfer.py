@@ -191,6 +191,19 @@ def _as_view(x: Union[RowView, torch.Tensor], word_bytes: Optional[int]) -> RowV
     return RowView(x, word_bytes)
 
 
+def _matched_views(src, dst, src_idx, dst_idx, word_bytes):
+    """Kernel views of ``src``/``dst`` with equal row sizes and copy words; checks the index lists."""
+    src_v = _as_view(src, word_bytes)
+    dst_v = _as_view(dst, src_v.word_bytes)
+    if src_v.row_bytes != dst_v.row_bytes:
+        raise ValueError(
+            f"row size mismatch: src rows are {src_v.row_bytes} B, dst rows {dst_v.row_bytes} B"
+        )
+    _check_index("src_idx", src_idx)
+    _check_index("dst_idx", dst_idx)
+    return src_v, dst_v
+
+
 def copy_rows(
     src: Union[RowView, torch.Tensor],
     dst: Union[RowView, torch.Tensor],
@@ -214,14 +227,7 @@ def copy_rows(
         word_bytes = config.word_bytes
     else:
         word_bytes = src.word_bytes if isinstance(src, RowView) else None
-    src_v = _as_view(src, word_bytes)
-    dst_v = _as_view(dst, src_v.word_bytes)
-    if src_v.row_bytes != dst_v.row_bytes:
-        raise ValueError(
-            f"row size mismatch: src rows are {src_v.row_bytes} B, dst rows {dst_v.row_bytes} B"
-        )
-    _check_index("src_idx", src_idx)
-    _check_index("dst_idx", dst_idx)
+    src_v, dst_v = _matched_views(src, dst, src_idx, dst_idx, word_bytes)
     n = src_idx.shape[0]
     if dst_idx.shape[0] != n:
         raise ValueError(f"src_idx has {n} entries but dst_idx has {dst_idx.shape[0]}")
@@ -309,14 +315,7 @@ def copy_rows_grouped(
     is a ``(G,)`` int32 device tensor (the plan kernel's per-request miss counts). The grid is
     ``(G, programs_per_group)``: fixed for a given batch shape, capture-safe.
     """
-    src_v = _as_view(src, None)
-    dst_v = _as_view(dst, src_v.word_bytes)
-    if src_v.row_bytes != dst_v.row_bytes:
-        raise ValueError(
-            f"row size mismatch: src rows are {src_v.row_bytes} B, dst rows {dst_v.row_bytes} B"
-        )
-    _check_index("src_idx", src_idx)
-    _check_index("dst_idx", dst_idx)
+    src_v, dst_v = _matched_views(src, dst, src_idx, dst_idx, None)
     groups = counts.numel()
     if counts.dtype != torch.int32 or groups == 0:
         raise ValueError("counts must be a non-empty int32 tensor, one count per group")
