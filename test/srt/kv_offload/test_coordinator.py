@@ -123,9 +123,9 @@ class Harness:
         for layer in range(LAYERS):
             positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(TOPK))]
             topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32)
+            # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
             for b, pos in enumerate(positions[:bs]):
-                locs = self.r2t.req_to_token[reqs[b], torch.tensor(pos, dtype=torch.int64)]
-                topk[b, : len(pos)] = locs
+                topk[b, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
             topk[bs] = 7  # garbage in the padded row
             before = topk.clone()
             rows = self.coord.swap_in_selected_pages(padded, seq_lens, topk, layer)
@@ -228,3 +228,29 @@ def test_admission_without_slots_keeps_request_on_gpu():
     h.step(reqs, draw)  # decodes and resolves rows whether or not a request got slots
     assert any(held)
     h.finish_all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bs=st.integers(1, 4),
+    k=st.integers(1, 40),
+    n_real=st.integers(0, 4),
+    data=st.data(),
+)
+def test_positions_to_locs_matches_reference(bs, k, n_real, data):
+    from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import topk_positions_to_locs
+    from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import topk_positions_to_locs_ref
+
+    ctx = 50
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    req_to_token = torch.randint(1, 10_000, (6, ctx), dtype=torch.int32, generator=gen)
+    rpi = torch.randint(0, 6, (bs,), generator=gen)
+    pos = torch.randint(-1, ctx, (bs, k), dtype=torch.int32, generator=gen)
+    n = torch.tensor([min(n_real, bs)], dtype=torch.int32)
+    out = torch.full((bs + 2, k), 5, dtype=torch.int32)
+    ref = out.clone()
+    got = topk_positions_to_locs(pos, rpi, req_to_token, n, out)
+    want = topk_positions_to_locs_ref(pos, rpi, req_to_token, n, ref)
+    assert torch.equal(got, want)
+    assert torch.equal(out[bs:], torch.full((2, k), 5, dtype=torch.int32)), "rows past bs untouched"
+    assert bool((got[n.item():] == -1).all())

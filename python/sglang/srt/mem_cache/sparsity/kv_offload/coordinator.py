@@ -25,7 +25,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace, plan_layer
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
+    PlanWorkspace,
+    plan_layer,
+    topk_positions_to_locs,
+)
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class KVOffloadCoordinator:
         self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; hooks set it before replay.
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
         self.stats = {"admitted": 0, "released": 0, "backup_tokens": 0, "deferred_backups": 0}
 
@@ -146,15 +151,27 @@ class KVOffloadCoordinator:
         seq_lens: torch.Tensor,
         topk_indices: torch.Tensor,
         layer_id: int,
+        topk_are_positions: bool = True,
     ) -> torch.Tensor:
-        """Resolve one layer's top-k logical locs to physical rows, loading the misses first.
+        """Resolve one layer's top-k to rows of ``kv_buffer[layer]``, loading the misses first.
 
-        Same contract as HiSparse's coordinator method of this name, which the NSA backend already
-        calls; returns a ``(bs, topk)`` int32 tensor of rows of ``kv_buffer[layer]`` (-1 kept) in a
-        workspace buffer, never the indexer's tensor.
+        This is HiSparse's coordinator method of the same name and contract, which
+        ``NativeSparseAttnBackend.forward_decode`` already calls when the model runner holds a
+        coordinator: ``topk_indices`` are token positions (HiSparse switches the decode indexer to
+        unfused top-k), -1 padded. Returns ``(bs, topk)`` int32 rows (-1 kept) in a workspace tensor;
+        the indexer's tensor is never written (the next layer may reuse it). Graph safe.
         """
-        del seq_lens  # tail rows are found through the logical→physical mapping instead
-        topk = topk_indices if topk_indices.dtype == torch.int32 else topk_indices.to(torch.int32)
+        del seq_lens  # tail rows are found through the logical->physical mapping instead
+        if topk_are_positions:
+            topk = topk_positions_to_locs(
+                topk_indices,
+                req_pool_indices,
+                self.req_to_token,
+                self.num_real_reqs,
+                self.topk_locs,
+            )
+        else:
+            topk = topk_indices
         plan = plan_layer(
             topk,
             req_pool_indices,

@@ -285,3 +285,58 @@ def plan_layer(
         ws.error_flags,
         ws.miss_count,
     )
+
+
+@triton.jit
+def _topk_positions_to_locs_kernel(
+    pos_ptr,
+    pos_stride,
+    rpi_ptr,
+    n_real_ptr,
+    r2t_ptr,
+    r2t_stride,
+    out_ptr,
+    out_stride,
+    K,
+    BLOCK_K: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    real = b < tl.load(n_real_ptr)
+    pos = tl.load(pos_ptr + b * pos_stride + offs, mask=kmask & real, other=-1)
+    r = tl.load(rpi_ptr + b, mask=real, other=0).to(tl.int64)
+    loc = tl.load(r2t_ptr + r * r2t_stride + pos.to(tl.int64), mask=pos >= 0, other=-1)
+    tl.store(out_ptr + b * out_stride + offs, tl.where(pos >= 0, loc, -1).to(tl.int32), mask=kmask)
+
+
+def topk_positions_to_locs(
+    topk_pos: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Token positions from the unfused indexer top-k -> logical locs, into ``out[:bs]``.
+
+    HiSparse's model-side protocol (which kv offload reuses) switches the decode indexer to unfused
+    top-k, i.e. positions in ``[0, seq_len)`` with -1 padding. ``-1`` stays ``-1``; rows
+    ``>= num_real_reqs[0]`` (CUDA-graph padding, stale request index) become all -1. Fixed grid,
+    no sync, no allocation.
+    """
+    bs, K = topk_pos.shape
+    assert out.shape[0] >= bs and out.shape[1] == K and out.dtype == torch.int32
+    assert topk_pos.stride(1) == 1 and req_to_token.stride(1) == 1
+    _topk_positions_to_locs_kernel[(bs,)](
+        topk_pos,
+        topk_pos.stride(0),
+        req_pool_indices,
+        num_real_reqs,
+        req_to_token,
+        req_to_token.stride(0),
+        out,
+        out.stride(0),
+        K,
+        BLOCK_K=triton.next_power_of_2(K),
+    )
+    return out[:bs]

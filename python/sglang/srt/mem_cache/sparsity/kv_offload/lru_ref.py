@@ -122,3 +122,21 @@ def compact_miss_list(res: PlanResult) -> tuple:
     """(host, dst) of the per-row packed list, concatenated in row order (for comparisons)."""
     keep = res.miss_dst >= 0
     return res.miss_host[keep], res.miss_dst[keep]
+
+
+def topk_positions_to_locs_ref(
+    topk_pos: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    num_real_reqs: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of :func:`lru_kernels.topk_positions_to_locs`."""
+    bs = topk_pos.shape[0]
+    n_real = min(int(num_real_reqs.reshape(-1)[0]), bs)
+    out[:bs] = -1
+    pos = topk_pos[:n_real].long()
+    rows = req_to_token[req_pool_indices[:n_real].long()]
+    locs = torch.gather(rows, 1, pos.clamp(min=0)).to(torch.int32)
+    out[:n_real] = torch.where(pos >= 0, locs, torch.full_like(locs, -1))
+    return out[:bs]
