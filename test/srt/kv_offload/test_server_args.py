@@ -158,6 +158,9 @@ from sglang.srt.server_args import prepare_server_args
 args = prepare_server_args({["--model-path", DSA_MODEL, *BASE]!r})
 args.check_server_args()
 assert args.enable_kv_offload is False
+# The patched upstream modules import nothing of kv offload while the flag is off.
+import sglang.srt.managers.scheduler, sglang.srt.managers.schedule_batch, sglang.srt.mem_cache.common
+import sglang.srt.model_executor.model_runner, sglang.srt.disaggregation.decode
 loaded = sorted(m for m in sys.modules if "kv_offload" in m or "nsa_offload" in m)
 print("LOADED", loaded)
 """

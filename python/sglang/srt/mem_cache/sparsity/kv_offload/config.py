@@ -49,7 +49,7 @@ class KVOffloadConfig:
     sparse_slots_per_req: int = 4096
     sparse_pool_slots: int = 0
     host_pool_size_gb: float = 0.0
-    host_pool_ratio: float = 4.0
+    host_pool_ratio: float = 1.0
     pin_host_memory: bool = True
     h2d_num_programs: int = 0
     backup_chunk_tokens: int = 8192

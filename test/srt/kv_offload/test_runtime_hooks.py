@@ -1,0 +1,197 @@
+"""The upstream hooks reach kv offload: pool construction, the decode step and request release.
+
+Drives the patched upstream functions themselves (``ScheduleBatch.prepare_for_decode``,
+``alloc_for_decode``, ``release_kv_cache``, ``ChunkCache``) with the real pools on CPU.
+"""
+
+import json
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import sglang.srt.server_args as server_args_module
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.sparsity.kv_offload import runtime
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+    KVOffloadNSATokenToKVPool,
+    KVOffloadTokenToKVPoolAllocator,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+P = 64
+TOPK = 64
+LAYERS = 2
+
+
+def make_runner(max_total_tokens=4096, max_reqs=4, config=None):
+    hf_config = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], index_topk=TOPK)
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(
+            kv_offload_config=json.dumps(config or {"sparse_slots_per_req": 128}),
+            disaggregation_mode="decode",
+            chunked_prefill_size=256,
+            cuda_graph_max_bs=4,
+        ),
+        model_config=SimpleNamespace(hf_config=hf_config, context_len=512),
+        max_total_num_tokens=max_total_tokens,
+        req_to_token_pool=ReqToTokenPool(max_reqs, 2048, "cpu", False),
+        hisparse_coordinator=None,
+    )
+    nsa_pool_kwargs = dict(
+        size=max_total_tokens,
+        page_size=P,
+        dtype=torch.float8_e4m3fn,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        layer_num=LAYERS,
+        device="cpu",
+        kv_cache_dim=656,
+        enable_memory_saver=False,
+        start_layer=None,
+        end_layer=None,
+        index_head_dim=128,
+    )
+    runtime.build_for_model_runner(runner, nsa_pool_kwargs)
+    return runner
+
+
+@pytest.fixture()
+def offload_server_args():
+    saved = server_args_module._global_server_args
+    server_args_module.set_global_server_args_for_scheduler(
+        SimpleNamespace(
+            enable_kv_offload=True,
+            page_size=P,
+            speculative_algorithm=None,
+            attention_backend="nsa",
+            enable_mamba_extra_buffer=lambda: False,
+        )
+    )
+    yield
+    server_args_module._global_server_args = saved
+    runtime.set_coordinator(None)
+
+
+def test_build_replaces_the_pool_and_resplits_the_budget():
+    runner = make_runner()
+    pool, allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
+    assert isinstance(pool, KVOffloadNSATokenToKVPool)
+    assert isinstance(allocator, KVOffloadTokenToKVPoolAllocator)
+    # 4 requests x (128 slots + 2 pages) + one 512-token prompt in flight.
+    assert pool.physical_size == 4 * (128 + 2 * P) + 512
+    budget = 4096 * (656 + 132) * LAYERS
+    kv = pool.physical_size * 656 * LAYERS
+    expect_logical = (budget - kv) // ((132 + 4) * LAYERS) // P * P
+    assert runner.max_total_num_tokens == pool.logical_size == expect_logical > 4096
+    assert runner.hisparse_coordinator is runtime.get_coordinator()
+    assert allocator.host_pool is not None and allocator.host_pool.size >= pool.logical_size
+    runtime.set_coordinator(None)
+
+
+def _batch(runner, tree_cache, reqs):
+    """A decode ScheduleBatch's fields, as prepare_for_decode reads them."""
+    rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    seq = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE,
+        reqs=reqs,
+        input_embeds=None,
+        is_spec_v2=False,
+        spec_algorithm=SimpleNamespace(is_none=lambda: True),
+        sampling_info=SimpleNamespace(
+            penalizer_orchestrator=SimpleNamespace(is_required=False)
+        ),
+        output_ids=torch.ones(len(reqs), dtype=torch.int64),
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        tree_cache=tree_cache,
+        req_to_token_pool=runner.req_to_token_pool,
+        req_pool_indices=rpi,
+        seq_lens=seq,
+        seq_lens_cpu=seq.clone(),
+        orig_seq_lens=seq.clone(),
+        seq_lens_sum=int(seq.sum()),
+        enable_overlap=False,
+        hisparse_coordinator=None,
+        device="cpu",
+    )
+    batch.maybe_evict_swa = types.MethodType(ScheduleBatch.maybe_evict_swa, batch)
+    return batch
+
+
+def _admit_prompt(runner, prompt_len):
+    """What PD decode's pre-allocation does: logical + physical rows for the whole prompt."""
+    allocator = runner.token_to_kv_pool_allocator
+    req = SimpleNamespace(
+        req_pool_idx=None,
+        is_chunked=0,
+        kv_committed_len=prompt_len,
+        kv_allocated_len=prompt_len,
+        kv_committed_freed=False,
+        kv_overallocated_freed=False,
+        decode_batch_idx=0,
+        mamba_pool_idx=None,
+    )
+    for name in ("pop_committed_kv_cache", "pop_overallocated_kv_cache"):
+        setattr(req, name, types.MethodType(getattr(Req, name), req))
+    runner.req_to_token_pool.alloc([req])
+    seq = torch.tensor([prompt_len])
+    z = torch.zeros(1, dtype=torch.int64)
+    locs = allocator.alloc_extend(z, z, seq, seq, torch.full((1,), -1), prompt_len)
+    runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len] = locs.to(torch.int32)
+    return req
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort_mid_backup"])
+def test_request_life_through_the_patched_scheduler_functions(offload_server_args, ending):
+    runner = make_runner()
+    allocator = runner.token_to_kv_pool_allocator
+    coordinator = runtime.get_coordinator()
+    start = allocator.free_counts()
+    tree_cache = ChunkCache(
+        CacheInitParams(
+            disable=True,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=P,
+        )
+    )
+    reqs = [_admit_prompt(runner, n) for n in (130, 64)]
+    steps = 1 if ending == "abort_mid_backup" else 70
+    for _ in range(steps):
+        batch = _batch(runner, tree_cache, reqs)
+        ScheduleBatch.prepare_for_decode(batch)  # patched: allocates, then calls kv offload
+        for r in reqs:
+            assert r.req_pool_idx in coordinator.requests
+            assert coordinator.requests[r.req_pool_idx].seq_len == r.kv_committed_len
+        if ending == "finish":
+            coordinator.drain()
+    # Complete pages went to the host; their physical rows came back to the allocator.
+    n0 = reqs[0].kv_committed_len
+    locs = runner.req_to_token_pool.req_to_token[reqs[0].req_pool_idx, :n0].long()
+    on_host = allocator.loc_to_host[locs] >= 0
+    if ending == "finish":
+        assert bool(on_host[: n0 // P * P].all())
+    else:
+        assert coordinator.has_inflight_backups() or bool(on_host.any())
+    for r in reqs:
+        idx = r.req_pool_idx
+        release_kv_cache(r, tree_cache, is_insert=False)  # patched: releases offload state first
+        assert idx not in coordinator.requests
+    coordinator.drain()
+    assert allocator.free_counts() == start
+    assert not coordinator.requests
+    coordinator.sparse_cache.check_invariants()
+
+
+def test_flag_off_hooks_do_nothing(offload_server_args):
+    server_args_module._global_server_args.enable_kv_offload = False
+    runtime.set_coordinator(None)
+    req = SimpleNamespace(req_pool_idx=3)
+    runtime.release_request(req.req_pool_idx)  # no coordinator: a no-op, no error
+    runtime.prepare_decode_step(SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([5])))
