@@ -29,7 +29,10 @@ ROW = 656
 class Harness:
     """A tiny decode server: real pools, coordinator, and the KV truth of every request."""
 
-    def __init__(self, physical_pages=12, logical_pages=40, buffer_slots=64, max_reqs=6):
+    def __init__(
+        self, physical_pages=12, logical_pages=40, buffer_slots=64, max_reqs=6, device="cpu"
+    ):
+        self.device = device
         self.pool = KVOffloadNSATokenToKVPool(
             physical_size=physical_pages * P,
             logical_size=logical_pages * P,
@@ -38,17 +41,17 @@ class Harness:
             dtype=torch.float8_e4m3fn,
             qk_rope_head_dim=64,
             layer_num=LAYERS,
-            device="cpu",
+            device=device,
             index_head_dim=128,
             enable_memory_saver=False,
             kv_cache_dim=ROW,
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
-            logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, "cpu", self.pool, False
+            logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, device, self.pool, False
         )
         self.host = KVOffloadHostPool(self.pool, host_pool_ratio=1.0)
         self.controller = KVOffloadCacheController(self.alloc, self.host, debug=True)
-        self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, "cpu", False)
+        self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, device, False)
         self.sparse = SparseCacheState(
             num_layers=LAYERS,
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
@@ -56,7 +59,7 @@ class Harness:
             buffer_slots=buffer_slots,
             topk=TOPK,
             allocator=self.alloc.hisparse_attn_allocator,
-            device="cpu",
+            device=device,
         )
         self.coord = KVOffloadCoordinator(
             self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_reqs
@@ -67,7 +70,7 @@ class Harness:
         self.gen = torch.Generator().manual_seed(1)
 
     def rand_rows(self, n):
-        return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=self.gen)
+        return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=self.gen).to(self.device)
 
     def write_rows(self, locs, rows_per_layer):
         phys = self.alloc.full_to_hisparse_device_index_mapping[locs]
@@ -80,7 +83,10 @@ class Harness:
             return False
         seq = torch.tensor([prompt_len])
         z = torch.zeros(1, dtype=torch.int64)
-        locs = self.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), prompt_len)
+        d = self.device
+        locs = self.alloc.alloc_extend(
+            z.to(d), z, seq.to(d), seq, torch.full((1,), -1, device=d), prompt_len
+        )
         if locs is None:
             return False
         r = self.free_reqs.pop()
@@ -98,7 +104,7 @@ class Harness:
         n = self.seq_len(r)
         seq = torch.tensor([n + 1])
         last = self.r2t.req_to_token[r, n - 1 : n].long()
-        new = self.alloc.alloc_decode(seq, seq, last)
+        new = self.alloc.alloc_decode(seq.to(self.device), seq, last)
         if new is None:
             return False
         self.r2t.req_to_token[r, n] = new.to(torch.int32)
@@ -115,14 +121,14 @@ class Harness:
             return
         self.coord.before_decode_step(reqs, [self.seq_len(r) for r in reqs])
         bs = len(reqs)
-        rpi = torch.tensor(reqs, dtype=torch.int64)
-        seq_lens = torch.tensor([self.seq_len(r) for r in reqs])
+        rpi = torch.tensor(reqs, dtype=torch.int64, device=self.device)
+        seq_lens = torch.tensor([self.seq_len(r) for r in reqs], device=self.device)
         # A padded CUDA-graph row: stale request index, must be left alone.
         padded = torch.cat([rpi, rpi[:1]])
         self.coord.set_num_real_reqs(bs)
         for layer in range(LAYERS):
             positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(TOPK))]
-            topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32)
+            topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device=self.device)
             # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
             for b, pos in enumerate(positions[:bs]):
                 topk[b, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
@@ -254,3 +260,62 @@ def test_positions_to_locs_matches_reference(bs, k, n_real, data):
     assert torch.equal(got, want)
     assert torch.equal(out[bs:], torch.full((2, k), 5, dtype=torch.int32)), "rows past bs untouched"
     assert bool((got[n.item():] == -1).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
+    """Positions -> locs, plan and load_one_layer in one CUDA graph, replayed with new top-k and a
+    padded row, give the same rows, state and KV bytes as eager calls from the same state."""
+    h = Harness(physical_pages=24, logical_pages=64, buffer_slots=64, device="cuda")
+    for n in (150, 230, 300):
+        assert h.admit(n)
+    reqs = sorted(h.kv)
+    gen = torch.Generator().manual_seed(11)
+
+    def draw(seq_len):
+        return torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
+
+    for _ in range(3):
+        h.step(reqs, draw)
+        h.coord.drain()
+    bs = len(reqs)
+    rpi = torch.tensor(reqs + [reqs[0]], dtype=torch.int64, device="cuda")
+    seq = torch.tensor([h.seq_len(r) for r in reqs] + [1], device="cuda")
+    topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device="cuda")
+    h.coord.set_num_real_reqs(bs)
+    state = [h.sparse.loc_to_slot, h.sparse.slot_loc, h.sparse.lru] + list(h.pool.kv_buffer)
+
+    def run():
+        return [h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)]
+
+    def fresh_topk():
+        for b, r in enumerate(reqs):
+            topk[b] = torch.randint(0, h.seq_len(r), (TOPK,), generator=gen).to(torch.int32)
+        topk[bs] = 3
+
+    fresh_topk()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up: compiles the kernels outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = [h.coord.swap_in_selected_pages(rpi, seq, topk, layer) for layer in range(LAYERS)]
+    for _ in range(4):
+        fresh_topk()
+        before = [t.clone() for t in state]
+        eager = run()
+        after_eager = [t.clone() for t in state]
+        for t, b in zip(state, before):
+            t.copy_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        for e, g in zip(eager, graph_out):
+            assert torch.equal(e, g)
+            assert bool((g[bs] == -1).all())
+        for t, a in zip(state, after_eager):
+            assert torch.equal(t, a)
+        assert int(h.coord.workspace.error_flags[0]) == 0
+    h.finish_all()
