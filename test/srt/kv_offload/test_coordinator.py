@@ -302,7 +302,10 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = [h.coord.swap_in_selected_pages(rpi, seq, topk, layer) for layer in range(LAYERS)]
+        # The workspace output is reused by every layer (consumed before the next plan): keep copies.
+        graph_out = [
+            h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)
+        ]
     for _ in range(4):
         fresh_topk()
         before = [t.clone() for t in state]
