@@ -20,7 +20,7 @@ def test_values_round_trip():
         "sparse_pool_slots": 65536,
         "host_pool_size_gb": 200,
         "pin_host_memory": False,
-        "h2d_num_programs": 528,
+        "h2d_programs_per_req": 4,
         "backup_chunk_tokens": 4096,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
@@ -28,7 +28,7 @@ def test_values_round_trip():
     assert cfg.sparse_pool_slots == 65536
     assert cfg.host_pool_size_gb == 200.0 and isinstance(cfg.host_pool_size_gb, float)
     assert cfg.pin_host_memory is False
-    assert cfg.h2d_num_programs == 528
+    assert cfg.h2d_programs_per_req == 4
     assert KVOffloadConfig.from_json(raw) == cfg
 
 
@@ -50,7 +50,7 @@ def test_values_round_trip():
         ('{"host_pool_ratio": 0.5}', "must be >= 1"),
         ('{"host_pool_size_gb": 10, "host_pool_ratio": 2}', "set only one of them"),
         ('{"pin_host_memory": 1}', "must be a JSON bool"),
-        ('{"h2d_num_programs": -4}', "must be >= 0"),
+        ('{"h2d_programs_per_req": -4}', "must be >= 0"),
         ('{"backup_chunk_tokens": 100}', "multiple of 64"),
     ],
 )

@@ -198,8 +198,10 @@ def test_random_lifecycles_resolve_rows_and_leak_nothing(data):
     h.finish_all()
 
 
-def test_long_request_pages_move_to_host_and_come_back():
+@pytest.mark.parametrize("grouped_loads", [True, False])
+def test_long_request_pages_move_to_host_and_come_back(grouped_loads):
     h = Harness(physical_pages=16)
+    h.coord.grouped_loads = grouped_loads
     assert h.admit(190)
     r = next(iter(h.kv))
     gen = torch.Generator().manual_seed(3)

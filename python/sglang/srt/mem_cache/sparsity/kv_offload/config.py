@@ -41,7 +41,8 @@ class KVOffloadConfig:
         host_pool_size_gb: pinned host pool size in GB; 0 means use ``host_pool_ratio``.
         host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
-        h2d_num_programs: fixed grid of the per-layer H2D gather kernel; 0 picks one per GPU.
+        h2d_programs_per_req: programs per request of the per-layer H2D gather (its grid is
+            ``(batch, h2d_programs_per_req)``); 0 uses the default measured on the H200 (2).
         backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
             bounds how long one backup occupies the copy path.
     """
@@ -51,7 +52,7 @@ class KVOffloadConfig:
     host_pool_size_gb: float = 0.0
     host_pool_ratio: float = 1.0
     pin_host_memory: bool = True
-    h2d_num_programs: int = 0
+    h2d_programs_per_req: int = 0
     backup_chunk_tokens: int = 8192
 
     @classmethod
@@ -127,8 +128,8 @@ class KVOffloadConfig:
             "of every logical token on the device",
         )
         _require(
-            self.h2d_num_programs >= 0,
-            f"h2d_num_programs={self.h2d_num_programs} must be >= 0 (0 picks one per GPU)",
+            self.h2d_programs_per_req >= 0,
+            f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0 uses the default)",
         )
         _require(
             self.backup_chunk_tokens > 0 and self.backup_chunk_tokens % PAGE_SIZE == 0,

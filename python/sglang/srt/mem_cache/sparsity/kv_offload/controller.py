@@ -31,6 +31,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     CopyLaunchConfig,
     copy_rows,
     copy_rows_all_layers,
+    copy_rows_grouped,
+    default_group_launch_config,
     default_launch_config,
 )
 
@@ -75,6 +77,7 @@ class KVOffloadCacheController(HiCacheController):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         load_config: Optional[CopyLaunchConfig] = None,
         backup_config: Optional[CopyLaunchConfig] = None,
+        group_load_config: Optional[CopyLaunchConfig] = None,
         debug: bool = _DEBUG,
     ):
         super().__init__(
@@ -101,6 +104,7 @@ class KVOffloadCacheController(HiCacheController):
         dev = torch.device(pool.device)
         self.load_config = load_config or default_launch_config(dev)
         self.backup_config = backup_config or default_launch_config(dev)
+        self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug
         self.tp_world_size = (
             torch.distributed.get_world_size(group=tp_group) if tp_group is not None else 1
@@ -118,14 +122,30 @@ class KVOffloadCacheController(HiCacheController):
         host_indices: torch.Tensor,
         device_slots: torch.Tensor,
         num_valid: Optional[torch.Tensor] = None,
+        group_counts: Optional[torch.Tensor] = None,
     ) -> None:
         """Copy ``host[host_indices[i]] -> kv_buffer[layer][device_slots[i]]`` on the current stream.
 
         ``host_indices`` / ``device_slots`` are device int32/int64 of a fixed length; entries with a
-        -1 host index are skipped, and only the first ``num_valid[0]`` are read when given.
-        Capture-safe.
+        -1 host index are skipped, and only the first ``num_valid[0]`` are read when given. With
+        ``group_counts`` (one int32 count per request) the lists are per-request rows of equal width
+        (the plan's row-packed miss list) and each request's rows are copied by its own programs,
+        which keeps their host pages together (measured faster on the H200). Capture-safe.
         """
         l = layer_id - self._start_layer
+        if group_counts is not None:
+            cfg = self.group_load_config
+            copy_rows_grouped(
+                self._host_views[l],
+                self._device_views[l],
+                host_indices,
+                device_slots,
+                group_counts,
+                programs_per_group=cfg.num_programs,
+                rows_per_program=cfg.rows_per_program,
+                num_warps=cfg.num_warps,
+            )
+            return
         copy_rows(
             self._host_views[l],
             self._device_views[l],

@@ -13,6 +13,7 @@ One coordinator per process (SGLang runs one scheduler and one model runner per 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -59,6 +60,7 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     )
     from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
     from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 
     server_args = runner.server_args
     config = KVOffloadConfig.from_json(server_args.kv_offload_config)
@@ -103,7 +105,16 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
         ratio_base_tokens=sizing.logical_tokens,
         pin_memory=config.pin_host_memory and str(pool.device).startswith("cuda"),
     )
-    controller = KVOffloadCacheController(allocator, host, tp_group=getattr(runner, "tp_group", None))
+    group_load_config = None
+    if config.h2d_programs_per_req:
+        base = default_group_launch_config(torch.device(nsa_pool_kwargs["device"]))
+        group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
+    controller = KVOffloadCacheController(
+        allocator,
+        host,
+        tp_group=getattr(runner, "tp_group", None),
+        group_load_config=group_load_config,
+    )
     sparse = SparseCacheState(
         num_layers=layers,
         num_logical_locs=allocator.full_to_hisparse_device_index_mapping.numel(),

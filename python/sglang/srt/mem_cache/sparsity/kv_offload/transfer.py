@@ -32,6 +32,7 @@ __all__ = [
     "copy_rows_all_layers_ref",
     "copy_rows_grouped",
     "copy_rows_grouped_ref",
+    "default_group_launch_config",
     "default_launch_config",
 ]
 
@@ -142,6 +143,18 @@ def default_launch_config(device: Optional[torch.device] = None) -> CopyLaunchCo
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return CopyLaunchConfig(num_programs=4 * _sm_count(idx), rows_per_program=4, num_warps=4)
     return CopyLaunchConfig(num_programs=4, rows_per_program=64, num_warps=4)
+
+
+def default_group_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
+    """Launch shape of :func:`copy_rows_grouped`; ``num_programs`` is programs *per group*.
+
+    On the H200, 2 programs per request with 32-row tiles and 16 warps was the fastest of 13 shapes
+    (bs 128, 32K context, 10 % churn, 656 B rows: 0.377 ms vs 0.41-0.47 ms for 4-8 programs of
+    smaller tiles): a request's rows in flight together stay within its host pages.
+    """
+    if device is not None and device.type == "cuda":
+        return CopyLaunchConfig(num_programs=2, rows_per_program=32, num_warps=16)
+    return CopyLaunchConfig(num_programs=2, rows_per_program=8, num_warps=4)
 
 
 @triton.jit
