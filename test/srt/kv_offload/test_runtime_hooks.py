@@ -195,3 +195,26 @@ def test_flag_off_hooks_do_nothing(offload_server_args):
     req = SimpleNamespace(req_pool_idx=3)
     runtime.release_request(req.req_pool_idx)  # no coordinator: a no-op, no error
     runtime.prepare_decode_step(SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([5])))
+
+
+def test_pd_destination_pages_are_the_physical_pages(offload_server_args):
+    from sglang.srt.disaggregation.utils import kv_to_page_indices
+
+    runner = make_runner()
+    pool = runner.token_to_kv_pool
+    req = _admit_prompt(runner, 150)
+    logical = runner.req_to_token_pool.req_to_token[req.req_pool_idx, :150]
+    physical = runtime.physical_kv_locs(logical)
+    assert physical.dtype == logical.dtype
+    # Same in-page offsets, whole physical pages: the page ids the prefill side writes to.
+    assert torch.equal(physical % P, logical % P)
+    pages = kv_to_page_indices(physical.numpy(), P)
+    assert len(pages) == 3 and len(set(pages.tolist())) == 3
+    # A page written at those physical ids is what attention reads through the logical locs.
+    rows = torch.randint(0, 256, (150, 656), dtype=torch.uint8)
+    flat = pool.device_row_view(0)
+    for i, page in enumerate(pages.tolist()):
+        chunk = rows[i * P : (i + 1) * P]
+        flat[page * P : page * P + chunk.shape[0]] = chunk
+    mapping = runner.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping
+    assert torch.equal(flat[mapping[logical.long()]], rows)

@@ -176,3 +176,21 @@ def release_request(req_pool_idx: Optional[int]) -> None:
     coordinator = get_coordinator()
     if coordinator is not None and req_pool_idx is not None:
         coordinator.release(req_pool_idx)
+
+
+def physical_kv_locs(logical_locs: torch.Tensor) -> torch.Tensor:
+    """PD decode hook: where a prompt's KV rows are, for the transfer engine's KV destination.
+
+    The prefill side writes KV pages into the decode side's KV buffer by page id; with the split pool
+    those rows are physical (``alloc_extend`` gives each logical page a physical page with the same
+    in-page offsets), while the NSA index state keeps its logical page ids.
+    """
+    coordinator = get_coordinator()
+    if coordinator is None:
+        raise RuntimeError(
+            "kv offload is enabled but its pools were not built in this process; "
+            "check that the model is an NSA model and --attention-backend is nsa"
+        )
+    mapping = coordinator.allocator.full_to_hisparse_device_index_mapping
+    physical = mapping[logical_locs.to(mapping.device, torch.int64)]
+    return physical.to(logical_locs.dtype)
