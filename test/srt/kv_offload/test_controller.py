@@ -12,10 +12,10 @@ from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-    KVOffloadNSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from _pools import offload_device_pool
 
 P = 64
 LAYOUTS = {656: (torch.float8_e4m3fn, 656), 1152: (torch.bfloat16, 576)}
@@ -26,20 +26,8 @@ class Tier:
     """Real pools + controller on one device, with a small request table."""
 
     def __init__(self, row, physical, logical, host_ratio=1.0, layers=2, device="cpu"):
-        dtype, dim = LAYOUTS[row]
-        self.pool = KVOffloadNSATokenToKVPool(
-            physical_size=physical,
-            logical_size=logical,
-            page_size=P,
-            kv_lora_rank=512,
-            dtype=dtype,
-            qk_rope_head_dim=64,
-            layer_num=layers,
-            device=device,
-            index_head_dim=128,
-            enable_memory_saver=False,
-            kv_cache_dim=dim,
-        )
+        dtype, _ = LAYOUTS[row]
+        self.pool = offload_device_pool(physical, logical, layers, LAYOUTS[row], device)
         self.alloc = KVOffloadTokenToKVPoolAllocator(
             logical, physical, P, dtype, device, self.pool, need_sort=False
         )

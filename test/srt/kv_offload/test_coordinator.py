@@ -14,11 +14,11 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-    KVOffloadNSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+from _pools import offload_device_pool
 
 P = 64
 LAYERS = 2
@@ -33,18 +33,8 @@ class Harness:
         self, physical_pages=12, logical_pages=40, buffer_slots=64, max_reqs=6, device="cpu"
     ):
         self.device = device
-        self.pool = KVOffloadNSATokenToKVPool(
-            physical_size=physical_pages * P,
-            logical_size=logical_pages * P,
-            page_size=P,
-            kv_lora_rank=512,
-            dtype=torch.float8_e4m3fn,
-            qk_rope_head_dim=64,
-            layer_num=LAYERS,
-            device=device,
-            index_head_dim=128,
-            enable_memory_saver=False,
-            kv_cache_dim=ROW,
+        self.pool = offload_device_pool(
+            physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
             logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, device, self.pool, False
@@ -70,7 +60,9 @@ class Harness:
         self.gen = torch.Generator().manual_seed(1)
 
     def rand_rows(self, n):
-        return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=self.gen).to(self.device)
+        return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=self.gen).to(
+            self.device
+        )
 
     def write_rows(self, locs, rows_per_layer):
         phys = self.alloc.full_to_hisparse_device_index_mapping[locs]
@@ -169,9 +161,7 @@ class Harness:
 def _topk_drawer(data):
     def draw(seq_len):
         k = min(TOPK, seq_len)
-        pos = data.draw(
-            st.lists(st.integers(0, seq_len - 1), min_size=k, max_size=k), label="topk"
-        )
+        pos = data.draw(st.lists(st.integers(0, seq_len - 1), min_size=k, max_size=k), label="topk")
         return pos  # duplicates allowed: they must resolve to the same row
 
     return draw
@@ -261,7 +251,7 @@ def test_positions_to_locs_matches_reference(bs, k, n_real, data):
     want = topk_positions_to_locs_ref(pos, rpi, req_to_token, n, ref)
     assert torch.equal(got, want)
     assert torch.equal(out[bs:], torch.full((2, k), 5, dtype=torch.int32)), "rows past bs untouched"
-    assert bool((got[n.item():] == -1).all())
+    assert bool((got[n.item() :] == -1).all())
 
 
 @pytest.mark.gpu
@@ -289,7 +279,9 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     state = [h.sparse.loc_to_slot, h.sparse.slot_loc, h.sparse.lru] + list(h.pool.kv_buffer)
 
     def run():
-        return [h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)]
+        return [
+            h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)
+        ]
 
     def fresh_topk():
         for b, r in enumerate(reqs):

@@ -4,7 +4,6 @@ import pytest
 import torch
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-    KVOffloadNSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
     index_bytes_per_logical_token,
     kv_bytes_per_physical_slot,
@@ -13,6 +12,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     split_gpu_budget,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from _pools import offload_device_pool
 
 P = 64
 FP8 = (torch.float8_e4m3fn, 656)
@@ -20,20 +20,8 @@ BF16 = (torch.bfloat16, 576)
 
 
 def make(layers=2, dtype_dim=FP8, physical=256, logical=1024, host_ratio=1.0):
-    dtype, dim = dtype_dim
-    pool = KVOffloadNSATokenToKVPool(
-        physical_size=physical,
-        logical_size=logical,
-        page_size=P,
-        kv_lora_rank=512,
-        dtype=dtype,
-        qk_rope_head_dim=64,
-        layer_num=layers,
-        device="cpu",
-        index_head_dim=128,
-        enable_memory_saver=False,
-        kv_cache_dim=dim,
-    )
+    dtype, _ = dtype_dim
+    pool = offload_device_pool(physical, logical, layers, dtype_dim)
     alloc = KVOffloadTokenToKVPoolAllocator(logical, physical, P, dtype, "cpu", pool, False)
     host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio)
     alloc.register_host_pool(host)

@@ -3,13 +3,13 @@
 import psutil
 import pytest
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import KVOffloadNSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import (
     HostPoolSizeError,
     KVOffloadHostPool,
     host_kv_bytes_per_token,
     host_pool_tokens,
 )
+from _pools import offload_device_pool
 
 P = 64
 FP8 = (torch.float8_e4m3fn, 656)  # NSA fp8 layout: 512 fp8 + 16 B scales + 64 bf16 rope
@@ -17,20 +17,7 @@ BF16 = (torch.bfloat16, 576)
 
 
 def device_pool(layers=2, dtype_dim=FP8, physical=256, logical=1024):
-    dtype, dim = dtype_dim
-    return KVOffloadNSATokenToKVPool(
-        physical_size=physical,
-        logical_size=logical,
-        page_size=P,
-        kv_lora_rank=512,
-        dtype=dtype,
-        qk_rope_head_dim=64,
-        layer_num=layers,
-        device="cpu",
-        index_head_dim=128,
-        enable_memory_saver=False,
-        kv_cache_dim=dim,
-    )
+    return offload_device_pool(physical, logical, layers, dtype_dim)
 
 
 def test_sizing_formulas_deepseek_v32():

@@ -104,9 +104,7 @@ def _batch(runner, tree_cache, reqs):
         input_embeds=None,
         is_spec_v2=False,
         spec_algorithm=SimpleNamespace(is_none=lambda: True),
-        sampling_info=SimpleNamespace(
-            penalizer_orchestrator=SimpleNamespace(is_required=False)
-        ),
+        sampling_info=SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False)),
         output_ids=torch.ones(len(reqs), dtype=torch.int64),
         model_config=SimpleNamespace(is_encoder_decoder=False),
         tree_cache=tree_cache,
