@@ -348,6 +348,7 @@ def ensure_venv(venv: Path) -> None:
     ).hexdigest()[:16]
     stamp = venv / ".kv-offload-stamp"
     if stamp.exists() and stamp.read_text().strip() == stamp_value:
+        fetch_debian_libs(venv)
         return
     log(f"creating venv {venv}")
     if venv.exists():
@@ -362,6 +363,24 @@ def ensure_venv(venv: Path) -> None:
         env=env,
     )
     stamp.write_text(stamp_value + "\n")
+    fetch_debian_libs(venv)
+
+
+def fetch_debian_libs(venv: Path) -> None:
+    """libibverbs + libnl for the Mooncake wheel (user space, in the cache); the venv records where.
+
+    A failure is not fatal here: only the Mooncake test needs them, and it fails naming the script.
+    """
+    pointer = venv / "kv-offload-debian-libs"
+    script = ENV_DIR / "fetch_debian_libs.sh"
+    res = subprocess.run(
+        ["bash", str(script), str(CACHE / "debroot")], capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        pointer.unlink(missing_ok=True)
+        log(f"warning: {script.name} failed (the Mooncake test will fail): {res.stderr.strip()}")
+        return
+    pointer.write_text(res.stdout.strip().splitlines()[-1] + "\n")
 
 
 def install_tree(venv: Path, tree: Path) -> None:
