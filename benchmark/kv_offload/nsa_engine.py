@@ -76,6 +76,9 @@ def prepare_environment(device: str) -> None:
     """
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        # The engine's matmuls are tiny: with a second busy process on a small box, intra-op
+        # threads cost far more in contention than they gain (30x on the 2-core CI machine).
+        torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     missing = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel", "torchvision"))
@@ -102,14 +105,19 @@ class EngineConfig:
     memory_layers: int = 2  # layers allocated in every pool (>= compute_layers)
     topk: int = 32
     buffer_slots: int = 128  # sparse slots per request (sparse_slots_per_req)
-    logical_pages: int = 48  # index keys / req_to_token space (both backends)
-    physical_pages: int = 12  # offload: KV rows for sparse slots + tails + prompt staging
+    logical_pages: int = 64  # index keys / req_to_token space (both backends)
+    physical_pages: int = 15  # offload: KV rows for sparse slots + tails + prompt staging
     host_pool_ratio: float = 1.0
     max_running: int = 4
     max_context: int = 1024  # req_to_token width
-    capture_sizes: Tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    # CUDA-graph batch sizes; sparse on CPU so that batches of 2 and 3 run with padded rows.
+    capture_sizes: Tuple[int, ...] = (1, 4, 8)
     seed: int = 0
     upstream_kernels: Optional[bool] = None  # None: upstream pool kernels on CUDA, torch on CPU
+    grouped_loads: Optional[bool] = None  # coordinator H2D path; None: the coordinator's default
+    # Lengths given to before_decode_step: "written" (tokens whose KV the forward has written) or
+    # "allocated" (+ the token about to be decoded, as runtime.prepare_decode_step passes today).
+    seq_lens_contract: str = "written"
     chunk_bytes: int = 256 << 20  # prefill working-set bound per query chunk
 
     @classmethod
@@ -131,10 +139,13 @@ class EngineConfig:
             topk=2048,
             buffer_slots=4096,
             logical_pages=8 * 30000 // PAGE,
-            # 8 requests x (4096 slots + 2 tail pages) would be 34K rows; 24K forces pressure.
-            physical_pages=24576 // PAGE + 400,
+            # 40K rows: the longest prompt's staging (~20.5K) plus a few requests' 4096 slots; eight
+            # running requests would want 8 x (4096 + 128) = 33.8K for slots and tails alone.
+            physical_pages=640,
             max_running=8,
             max_context=32768,
+            capture_sizes=(1, 2, 4, 8, 12, 16, 24, 32),
+            chunk_bytes=2 << 30,
         )
         base.update(overrides)
         return cls(**base)
@@ -150,6 +161,8 @@ class EngineConfig:
         return self.upstream_kernels
 
     def validate(self) -> None:
+        if self.seq_lens_contract not in ("written", "allocated"):
+            raise ValueError("seq_lens_contract must be 'written' or 'allocated'")
         if self.kv_dtype not in ("fp8", "bf16"):
             raise ValueError(f"kv_dtype must be fp8 or bf16, got {self.kv_dtype!r}")
         if not 1 <= self.compute_layers <= self.memory_layers:
@@ -170,23 +183,22 @@ class RequestSpec:
     retract_after: Optional[int] = None
 
 
-def make_workload(
-    num_requests: int, steps: int, seed: int, cfg: EngineConfig
-) -> List[RequestSpec]:
-    """Seeded arrivals over the first half of the run, prompts below and above the buffer size.
+def make_workload(num_requests: int, steps: int, seed: int, cfg: EngineConfig) -> List[RequestSpec]:
+    """Seeded arrivals over the first 60 % of the run, prompts below and above the buffer size.
 
     Prompt lengths cycle through shorter-than-top-k, below-buffer and above-buffer contexts; every
     fifth request aborts and every fourth is retracted once (then recomputed).
     """
     gen = torch.Generator().manual_seed(seed + 1)
     k, buf = cfg.topk, cfg.buffer_slots
-    lens = [k // 2 + 4, buf // 2 + 10, buf + 70, 2 * buf + 20, 3 * buf + 40]
+    lens = [k // 2 + 4, 5 * buf + 50, buf // 2 + 30, 3 * buf + 60, buf + 70]
     specs = []
     for i in range(num_requests):
-        arrival = 0 if i == 0 else int(torch.randint(0, max(1, steps // 2), (1,), generator=gen))
+        # A burst of two at the start (a short one, then a long one that finds the pool tight).
+        arrival = 0 if i < 2 else int(torch.randint(0, max(1, steps * 3 // 5), (1,), generator=gen))
         base = lens[i % len(lens)]
         prompt = max(1, base + int(torch.randint(-8, 9, (1,), generator=gen)))
-        new = int(torch.randint(max(8, steps // 6), max(9, steps // 3), (1,), generator=gen))
+        new = int(torch.randint(max(8, steps // 5), max(9, steps * 2 // 5), (1,), generator=gen))
         abort = new // 2 if i % 5 == 4 else None
         retract = new // 3 if i % 4 == 1 else None
         specs.append(RequestSpec(i, arrival, prompt, new, abort, retract))
@@ -209,14 +221,16 @@ def quantize_index_k(k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_kv_fp8(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """NSA fp8 KV layout, bit-equal to upstream's ``_quantize_k_cache_ref`` (656 B per row).
+    """NSA fp8 KV layout (656 B per row), the maths of upstream's ``_quantize_k_cache_fast_kernel``.
 
-    ``[512 x fp8 | 4 x fp32 tile scale | 64 x bf16 rope]``; scale = amax / 448 per 128-wide tile.
+    ``[512 x fp8 | 4 x fp32 tile scale | 64 x bf16 rope]``; per 128-wide tile the fp32 scale is
+    amax / 448 and the values are ``clamp(x * (1 / scale))`` cast to e4m3 (round to nearest even).
     """
     n = nope.shape[0]
     x = nope.float().view(n, KV_LORA // 128, 128)
     scale = x.abs().amax(dim=-1) / FP8_MAX
-    q = (x / scale[..., None]).to(torch.float8_e4m3fn).view(n, KV_LORA)
+    q = (x * (1.0 / scale[..., None])).clamp(-FP8_MAX, FP8_MAX)
+    q = q.to(torch.float8_e4m3fn).view(n, KV_LORA)
     out = torch.empty((n, FP8_ROW_BYTES), dtype=torch.uint8, device=nope.device)
     out[:, :KV_LORA] = q.view(torch.uint8)
     out[:, KV_LORA : KV_LORA + 16] = scale.contiguous().view(torch.uint8)
@@ -393,14 +407,11 @@ class OracleBackend(_Backend):
     def admit(self, req: int) -> None:
         pass
 
-    def before_decode(self, reqs: Sequence[int]) -> None:
-        pass
-
     def resolve_prefill(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
         return locs
 
-    def resolve_decode(self, layer, rpi, seq_lens, topk, bs) -> torch.Tensor:
-        return topk[:bs]
+    def resolve_decode(self, layer, rpi, seq_lens, topk_pos, topk_locs, bs) -> torch.Tensor:
+        return topk_locs[:bs]
 
     def release(self, req: int) -> None:
         n = self.seq.pop(req)
@@ -447,9 +458,10 @@ class OffloadBackend(_Backend):
             allocator=self.alloc.hisparse_attn_allocator,
             device=cfg.device,
         )
-        max_bs = max(s for s in cfg.capture_sizes if s >= cfg.max_running)
+        max_bs = min(s for s in cfg.capture_sizes if s >= cfg.max_running)
+        extra = {} if cfg.grouped_loads is None else {"grouped_loads": cfg.grouped_loads}
         self.coord = KVOffloadCoordinator(
-            self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_bs
+            self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_bs, **extra
         )
         self.mapping = self.alloc.full_to_hisparse_device_index_mapping
         self.start_free = self.free_counts()
@@ -496,10 +508,18 @@ class OffloadBackend(_Backend):
         """After the prefill wrote every prompt row: back up its pages, ask for sparse slots."""
         self.coord.admit(req, self.seq[req])
 
-    def before_decode(self, reqs: Sequence[int]) -> None:
-        # Lengths of the tokens whose KV is already written. The coordinator documents "including
-        # the token about to be decoded", but then backs up the page that token completes before
-        # the forward writes it (see the report of issue 6); passing the written length avoids it.
+    def before_decode(self, reqs: Sequence[int], allocated: bool) -> None:
+        """``before_decode_step``, before (``allocated=False``) or after this step's allocation.
+
+        With the "written" contract the lengths count only tokens whose KV is written. The
+        coordinator documents "including the token about to be decoded", but then a page completed
+        by that token is backed up before the forward writes the token's row, and once the backup
+        completes the stale host copy is what later steps load (the "allocated" contract shows it).
+        """
+        if allocated != (self.cfg.seq_lens_contract == "allocated"):
+            if not allocated:
+                self.coord.poll()  # free backed-up pages before this step's allocation
+            return
         self.coord.before_decode_step(list(reqs), [self.seq[r] for r in reqs])
 
     def slots(self, req: int) -> int:
@@ -516,10 +536,13 @@ class OffloadBackend(_Backend):
             raise AssertionError("a prompt token has no physical tail row during its prefill")
         return rows
 
-    def resolve_decode(self, layer, rpi, seq_lens, topk, bs) -> torch.Tensor:
-        valid = topk[:bs] >= 0
-        tail = valid & (self.mapping[topk[:bs].clamp(min=0).long()] > 0)
-        rows = self.coord.swap_in_selected_pages(rpi, seq_lens, topk, layer)
+    def resolve_decode(self, layer, rpi, seq_lens, topk_pos, topk_locs, bs) -> torch.Tensor:
+        # HiSparse's contract: the unfused indexer's top-k *positions*; the coordinator translates
+        # them through req_to_token on the device (the logical locs are used for statistics only).
+        locs = topk_locs[:bs]
+        valid = locs >= 0
+        tail = valid & (self.mapping[locs.clamp(min=0).long()] > 0)
+        rows = self.coord.swap_in_selected_pages(rpi, seq_lens, topk_pos, layer)
         self.misses += self.coord.workspace.num_misses[:bs].sum()
         self.tail_hits += tail.sum()
         self.entries += valid.sum()
@@ -646,7 +669,9 @@ class NSAModel:
         return rms_norm(x) @ self.w_out
 
     # ------------------------------------------------------------------ passes
-    def prefill(self, be: _Backend, req: int, tokens: torch.Tensor) -> Tuple[int, List[torch.Tensor]]:
+    def prefill(
+        self, be: _Backend, req: int, tokens: torch.Tensor
+    ) -> Tuple[int, List[torch.Tensor]]:
         """Causal sparse prefill of ``tokens`` into ``be``; returns (next token, per-layer outputs)."""
         n = tokens.shape[0]
         dev = tokens.device
@@ -707,16 +732,18 @@ class NSAModel:
             pr = self.project(layer, x, pos)
             be.write_index(layer, new_locs, *pr["k_idx"])
             be.write_kv(layer, new_locs, pr["nope"], pr["rope"])
-            topk = torch.full((pad_to, self.cfg.topk), -1, dtype=torch.int32, device=dev)
+            topk_pos = torch.full((pad_to, self.cfg.topk), -1, dtype=torch.int32, device=dev)
+            topk_locs = torch.full_like(topk_pos, -1)
             for b, r in enumerate(reqs):
                 n = int(lens[b])
                 keys = be.index_keys(layer, r, n)
                 scores = self.index_scores(pr["q_idx"][b : b + 1], pr["w_idx"][b : b + 1], keys)
                 sel = self.select(scores, lens[b : b + 1])[0]
                 ok = sel >= 0
-                topk[b, ok] = be.r2t.req_to_token[r, sel[ok]]
-            topk[bs:] = garbage[: pad_to - bs]
-            rows = be.resolve_decode(layer, rpi, seq_pad, topk, bs)
+                topk_pos[b] = sel.to(torch.int32)
+                topk_locs[b, ok] = be.r2t.req_to_token[r, sel[ok]]
+            topk_pos[bs:] = garbage[: pad_to - bs]
+            rows = be.resolve_decode(layer, rpi, seq_pad, topk_pos, topk_locs, bs)
             if pad_to > bs and not bool((rows[bs:pad_to] == -1).all()):
                 raise AssertionError("a padded CUDA-graph row resolved to KV rows")
             out, delta = self.attend(layer, pr["q"], be.kv_rows(layer), rows[:bs])
@@ -747,6 +774,8 @@ class RunStats:
     retracted: int = 0  # scripted retractions
     pressure_retracted: int = 0  # retractions because the physical pool ran out
     ran_without_slots: int = 0  # admissions that decoded all-on-GPU while the sparse pool was full
+    unfinished: int = 0  # still running or waiting when max_steps ran out (then released)
+    admission_waits: int = 0  # scheduler steps where the head request could not be prefilled
     max_context: int = 0
     topk_entries: int = 0
     tail_entries: int = 0
@@ -757,6 +786,8 @@ class RunStats:
     peak_gpu_bytes_offload: int = 0
     peak_gpu_bytes_oracle: int = 0
     peak_host_bytes: int = 0
+    sum_gpu_bytes_offload: int = 0  # summed over decode steps (for the mean)
+    sum_gpu_bytes_oracle: int = 0
     compared_tensors: int = 0
     mismatches: int = 0
     first_mismatch: str = ""
@@ -849,7 +880,9 @@ class Engine:
         for be in self.backends:
             be.release(run.req)
         self.free_req_idx.append(run.req)
-        self.stale_req = run.req  # a later padded row reuses this index, as a stale graph buffer does
+        self.stale_req = (
+            run.req
+        )  # a later padded row reuses this index, as a stale graph buffer does
 
     # ------------------------------------------------------------------ main loop
     def run(
@@ -874,6 +907,7 @@ class Engine:
                 waiting.append(_Running(s, -1, prompt))
             while waiting and len(running) < self.cfg.max_running:
                 if not self._try_prefill(waiting[0]):
+                    st.admission_waits += 1
                     break  # pools full: retry after something finishes
                 running.append(waiting.pop(0))
             self._scripted_events(running, waiting)
@@ -884,6 +918,7 @@ class Engine:
             clock += 1
             if progress is not None:
                 progress(st.decode_steps, self)
+        st.unfinished = len(running) + len(waiting) + len(pending)
         for r in running:
             self._release(r)
         self._finalize(t0)
@@ -919,10 +954,11 @@ class Engine:
         st, off = self.stats, self.offload
         reqs = [r.req for r in running]
         while True:
-            off.before_decode(reqs)
+            off.before_decode(reqs, allocated=False)
             # A request whose grant could not grow with its context could overflow its slots.
             short = [
-                r for r in running
+                r
+                for r in running
                 if off.has_slots(r.req) and off.slots(r.req) < min(self.cfg.topk, off.seq[r.req])
             ]
             if short:
@@ -938,13 +974,14 @@ class Engine:
             reqs = [r.req for r in running]
             if not running:
                 return running
+        off.before_decode(reqs, allocated=True)
         if not self.oracle.alloc_decode(reqs):
             raise RuntimeError("oracle pool too small for the workload")
         bs = len(reqs)
         pad_to = min(s for s in self.cfg.capture_sizes if s >= bs)
         st.padded_steps += pad_to > bs
         garbage = torch.randint(
-            0, self.cfg.logical_pages * PAGE, (pad_to, self.cfg.topk), generator=self.gen
+            0, self.cfg.max_context, (pad_to, self.cfg.topk), generator=self.gen
         ).to(device=self.device, dtype=torch.int32)
         tokens = torch.tensor([r.tokens[-1] for r in running], device=self.device)
         off.coord.set_num_real_reqs(bs)
@@ -962,20 +999,24 @@ class Engine:
         st.decode_steps += 1
         st.decoded_tokens += bs
         st.max_context = max(st.max_context, max(off.seq[q] for q in reqs))
-        self._account_memory()
+        self._account_memory(decode=True)
         return running
 
-    def _account_memory(self) -> None:
+    def _account_memory(self, decode: bool = False) -> None:
+        """GPU KV bytes in use (page granular): offload = index keys of every logical token +
+        physical rows (sparse slots, tails, prompts not yet backed up); all-on-GPU = both per token.
+        """
         cfg, st = self.cfg, self.stats
         layers, row = cfg.memory_layers, cfg.row_bytes
         logical, physical, host = self.offload.used()
-        st.peak_gpu_bytes_offload = max(
-            st.peak_gpu_bytes_offload, (logical * INDEX_ROW_BYTES + physical * row) * layers
-        )
-        st.peak_gpu_bytes_oracle = max(
-            st.peak_gpu_bytes_oracle, self.oracle.used_tokens() * (INDEX_ROW_BYTES + row) * layers
-        )
+        off = (logical * INDEX_ROW_BYTES + physical * row) * layers
+        ora = self.oracle.used_tokens() * (INDEX_ROW_BYTES + row) * layers
+        st.peak_gpu_bytes_offload = max(st.peak_gpu_bytes_offload, off)
+        st.peak_gpu_bytes_oracle = max(st.peak_gpu_bytes_oracle, ora)
         st.peak_host_bytes = max(st.peak_host_bytes, host * row * layers)
+        if decode:
+            st.sum_gpu_bytes_offload += off
+            st.sum_gpu_bytes_oracle += ora
 
     def _finalize(self, t0: float) -> None:
         st, off, cfg = self.stats, self.offload, self.cfg
@@ -1016,27 +1057,50 @@ def _fmt_bytes(n: float) -> str:
 def format_table(st: RunStats) -> str:
     """The demo's summary table (Markdown)."""
     c = st.config
-    saved = 1 - st.peak_gpu_bytes_offload / st.peak_gpu_bytes_oracle if st.peak_gpu_bytes_oracle else 0
+    steps = max(1, st.decode_steps)
+    mean_off, mean_ora = st.sum_gpu_bytes_offload / steps, st.sum_gpu_bytes_oracle / steps
     rows = [
-        ("configuration", f"{c['device']}, {c['kv_dtype']} ({FP8_ROW_BYTES if c['kv_dtype'] == 'fp8' else BF16_ROW_BYTES} B rows), "
-         f"{c['compute_layers']} compute / {c['memory_layers']} pool layers, top-k {c['topk']}, "
-         f"{c['buffer_slots']} slots/request, {c['physical_pages'] * PAGE} physical rows"),
+        (
+            "configuration",
+            f"{c['device']}, {c['kv_dtype']} ({FP8_ROW_BYTES if c['kv_dtype'] == 'fp8' else BF16_ROW_BYTES} B rows), "
+            f"{c['compute_layers']} compute / {c['memory_layers']} pool layers, top-k {c['topk']}, "
+            f"{c['buffer_slots']} slots/request, {c['physical_pages'] * PAGE} physical rows",
+        ),
         ("decode steps (padded graph batches)", f"{st.decode_steps} ({st.padded_steps})"),
         ("tokens decoded / prefilled", f"{st.decoded_tokens} / {st.prefill_tokens}"),
-        ("requests", f"{st.requests}: admitted {st.admitted}, finished {st.finished}, "
-         f"aborted {st.aborted}, retracted {st.retracted} scripted + {st.pressure_retracted} pressure"),
-        ("admissions without sparse slots", str(st.ran_without_slots)),
+        (
+            "requests",
+            f"{st.requests}: admitted {st.admitted}, finished {st.finished}, "
+            f"aborted {st.aborted}, retracted {st.retracted} scripted + {st.pressure_retracted} pressure, "
+            f"{st.unfinished} cut off by the step limit",
+        ),
+        (
+            "admissions without sparse slots / waits",
+            f"{st.ran_without_slots} / {st.admission_waits}",
+        ),
         ("longest context", str(st.max_context)),
-        ("sparse-cache hit rate", f"{100 * st.hit_rate:.1f} % ({st.topk_entries - st.tail_entries - st.misses} hits, "
-         f"{st.misses} misses, {st.tail_entries} tail rows)"),
+        (
+            "sparse-cache hit rate",
+            f"{100 * st.hit_rate:.1f} % ({st.topk_entries - st.tail_entries - st.misses} hits, "
+            f"{st.misses} misses, {st.tail_entries} tail rows)",
+        ),
         ("bytes H2D (misses)", _fmt_bytes(st.h2d_bytes)),
         ("bytes D2H (backups)", _fmt_bytes(st.d2h_bytes)),
-        ("peak GPU KV held, offload", _fmt_bytes(st.peak_gpu_bytes_offload)),
-        ("peak GPU KV held, all on GPU", _fmt_bytes(st.peak_gpu_bytes_oracle)),
-        ("GPU KV saved", f"{100 * saved:.1f} %"),
+        (
+            "GPU KV held, offload: mean / peak",
+            f"{_fmt_bytes(mean_off)} / {_fmt_bytes(st.peak_gpu_bytes_offload)}",
+        ),
+        (
+            "GPU KV held, all on GPU: mean / peak",
+            f"{_fmt_bytes(mean_ora)} / {_fmt_bytes(st.peak_gpu_bytes_oracle)}",
+        ),
         ("peak host KV held", _fmt_bytes(st.peak_host_bytes)),
-        ("identical outputs", f"{'yes' if st.identical else 'NO'} ({st.compared_tensors} tensors compared"
-         + (f"; first: {st.first_mismatch}" if st.first_mismatch else "") + ")"),
+        (
+            "identical outputs",
+            f"{'yes' if st.identical else 'NO'} ({st.compared_tensors} tensors compared"
+            + (f"; first: {st.first_mismatch}" if st.first_mismatch else "")
+            + ")",
+        ),
         ("allocators back at start", "yes" if st.leak_free else "NO"),
         ("wall time", f"{st.wall_s:.1f} s"),
     ]
@@ -1046,7 +1110,9 @@ def format_table(st: RunStats) -> str:
     return "\n".join(lines)
 
 
-def build_parser(description: str = "kv_offload proof-by-decoding engine") -> argparse.ArgumentParser:
+def build_parser(
+    description: str = "kv_offload proof-by-decoding engine",
+) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", default="cpu", help="cpu (CI shapes) or cuda (DeepSeek-V3.2 shapes)")
     p.add_argument("--steps", type=int, default=None, help="decode steps at most")
