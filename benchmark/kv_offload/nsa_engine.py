@@ -117,7 +117,7 @@ class EngineConfig:
     grouped_loads: Optional[bool] = None  # coordinator H2D path; None: the coordinator's default
     # Lengths given to before_decode_step: "written" (tokens whose KV the forward has written) or
     # "allocated" (+ the token about to be decoded, as runtime.prepare_decode_step passes today).
-    seq_lens_contract: str = "written"
+    seq_lens_contract: str = "allocated"
     chunk_bytes: int = 256 << 20  # prefill working-set bound per query chunk
 
     @classmethod
@@ -511,10 +511,10 @@ class OffloadBackend(_Backend):
     def before_decode(self, reqs: Sequence[int], allocated: bool) -> None:
         """``before_decode_step``, before (``allocated=False``) or after this step's allocation.
 
-        With the "written" contract the lengths count only tokens whose KV is written. The
-        coordinator documents "including the token about to be decoded", but then a page completed
-        by that token is backed up before the forward writes the token's row, and once the backup
-        completes the stale host copy is what later steps load (the "allocated" contract shows it).
+        "allocated" (the default, what ``runtime.prepare_decode_step`` does): after this step's
+        allocation, lengths include the token about to be decoded; the coordinator backs up only the
+        written ``seq_len - 1`` positions. "written": before the allocation, lengths count written
+        tokens only (the coordinator then lags one more token, which is also correct).
         """
         if allocated != (self.cfg.seq_lens_contract == "allocated"):
             if not allocated:

@@ -206,8 +206,10 @@ def test_long_request_pages_move_to_host_and_come_back(grouped_loads):
     n = h.seq_len(r)
     locs = h.r2t.req_to_token[r, :n].long()
     on_host = h.alloc.loc_to_host[locs] >= 0
-    assert bool(on_host[: n // P * P].all()) and not bool(on_host[n // P * P :].any())
-    assert h.coord.stats["backup_tokens"] == n // P * P
+    done = (n - 1) // P * P
+    assert bool(on_host[:done].all()) and not bool(on_host[done:].any())
+    # The last token counts as not yet written (the forward writes it): its page waits a step.
+    assert h.coord.stats["backup_tokens"] == (n - 1) // P * P
     h.finish_all()
 
 

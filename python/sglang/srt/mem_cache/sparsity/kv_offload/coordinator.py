@@ -40,7 +40,8 @@ class OffloadedRequest:
     """Host-side bookkeeping of one admitted request."""
 
     req_pool_idx: int
-    seq_len: int
+    seq_len: int  # allocated positions (their logical locs exist)
+    written_len: int  # positions whose KV rows are written; only these may be backed up
     backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
     has_slots: bool = False
 
@@ -84,16 +85,20 @@ class KVOffloadCoordinator:
         self.stats = {"admitted": 0, "released": 0, "backup_tokens": 0, "deferred_backups": 0}
 
     # ------------------------------------------------------------------ scheduler side
-    def admit(self, req_pool_idx: int, seq_len: int) -> None:
+    def admit(self, req_pool_idx: int, seq_len: int, written_len: Optional[int] = None) -> None:
         """Take over a request whose prompt KV sits in GPU tail rows (after prefill or PD transfer).
 
-        Starts the backup of its complete prompt pages and asks for sparse slots; neither is waited
-        for. Raises if the request is already admitted (exactly-once).
+        ``seq_len`` positions have logical locs; the first ``written_len`` (default: all) have their
+        KV written. Starts the backup of the complete written pages and asks for sparse slots;
+        neither is waited for. Raises if the request is already admitted (exactly-once).
         """
         r = int(req_pool_idx)
         if r in self.requests:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
-        req = OffloadedRequest(req_pool_idx=r, seq_len=int(seq_len))
+        n = int(seq_len)
+        req = OffloadedRequest(
+            req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
+        )
         self.requests[r] = req
         self.stats["admitted"] += 1
         self._grant_slots(req)
@@ -103,7 +108,9 @@ class KVOffloadCoordinator:
         """Between forwards: complete finished backups, back up newly completed pages, grow slots.
 
         ``seq_lens`` are the lengths including the token about to be decoded (whose logical loc and
-        tail row are already allocated).
+        tail row are already allocated, but whose KV the coming forward writes): only the
+        ``seq_len - 1`` written positions are backed up, so a page completed by that token waits for
+        the next step.
         """
         self.poll()
         reqs = []
@@ -112,6 +119,7 @@ class KVOffloadCoordinator:
             if req is None:
                 continue  # not offloaded (e.g. admitted in this very step by the caller later)
             req.seq_len = int(n)
+            req.written_len = int(n) - 1
             self._grant_slots(req)
             reqs.append(req)
         self._start_backups(reqs)
@@ -209,7 +217,7 @@ class KVOffloadCoordinator:
         items: List[Tuple[int, torch.Tensor, int, int]] = []
         pending: List[Tuple[OffloadedRequest, int]] = []
         for req in reqs:
-            end = req.seq_len // self.page_size * self.page_size
+            end = req.written_len // self.page_size * self.page_size
             # Only requests that hold sparse slots give up their tail rows: without slots the
             # plan could not place a miss.
             if not req.has_slots or end <= req.backed_up_end:

@@ -162,7 +162,8 @@ def prepare_decode_step(batch) -> None:
     seq_lens = batch.seq_lens_cpu.tolist()
     for r, n in zip(req_pool_indices, seq_lens):
         if r not in coordinator.requests:
-            coordinator.admit(r, n)
+            # The token about to be decoded has a loc but no KV yet.
+            coordinator.admit(r, n, written_len=n - 1)
     coordinator.before_decode_step(req_pool_indices, seq_lens)
 
 
