@@ -45,6 +45,8 @@ TORCH_VERSION = "2.13.0"  # the CPU wheel on this machine kind's disk
 TRITON_VERSION = "3.8.0"
 GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
 PATCH_TRAILER = "Patch-File:"
+# Files the editable install writes into the tree (kept out of the base commit and of git status).
+INSTALL_ARTIFACTS = ["/python/sglang.egg-info/"]
 
 
 class TreeError(RuntimeError):
@@ -251,9 +253,9 @@ def base_paths_of(tree: Path) -> set:
 def link_overlay(tree: Path) -> List[Path]:
     links = overlay_links(base_paths_of(tree))
     exclude = tree / ".git" / "info" / "exclude"
-    lines = [f"/python/{rel}" for rel in links]
+    lines = [f"/python/{rel}" for rel in links] + INSTALL_ARTIFACTS
     exclude.parent.mkdir(parents=True, exist_ok=True)
-    exclude.write_text("# kv_offload overlay links\n" + "\n".join(lines) + "\n")
+    exclude.write_text("# kv_offload overlay links and install artifacts\n" + "\n".join(lines) + "\n")
     for rel in links:
         dst = tree / "python" / rel
         src = OVERLAY / rel
@@ -383,13 +385,16 @@ def fetch_debian_libs(venv: Path) -> None:
     pointer.write_text(res.stdout.strip().splitlines()[-1] + "\n")
 
 
-def install_tree(venv: Path, tree: Path) -> None:
+def install_tree(venv: Path, tree: Path, base: Base) -> None:
     stamp = venv / ".kv-offload-sglang"
     target = str((tree / "python").resolve())
     if stamp.exists() and stamp.read_text().strip() == target:
         return
     log("installing the patched tree (editable, --no-deps)")
-    run([uv_binary(), "pip", "install", "-q", "-p", venv, "--no-deps", "-e", target], env=uv_env())
+    # setuptools-scm would take the version from the build tree's own git history (0.0.0.devN) and
+    # rewrite sglang/_version.py; pin the base's version instead.
+    env = dict(uv_env(), SETUPTOOLS_SCM_PRETEND_VERSION=base.version)
+    run([uv_binary(), "pip", "install", "-q", "-p", venv, "--no-deps", "-e", target], env=env)
     stamp.write_text(target + "\n")
 
 
@@ -419,6 +424,8 @@ def unpack_base(tgz: Path, tree: Path, base: Base) -> None:
     top.rename(tree / "python")
     git(tree, "init", "-q")
     git(tree, "add", "-A")
+    # The editable install rewrites the egg-info; keep it out of the base so it never looks like an edit.
+    git(tree, "rm", "-r", "-q", "--cached", "--ignore-unmatch", *[a.lstrip("/") for a in INSTALL_ARTIFACTS])
     git(tree, "commit", "-q", "-m", f"pristine {base.name} {base.version} (sdist sha256 {base.sha256})")
     git(tree, "tag", "base")
 
@@ -451,7 +458,7 @@ def cmd_build(args) -> int:
         stamp.write_text(want + "\n")
     links = link_overlay(tree)
     if not args.no_venv:
-        install_tree(args.venv, tree)
+        install_tree(args.venv, tree, base)
     log(
         f"patched tree ready at {tree / 'python'} ({len(names)} patches, {len(links)} overlay links) "
         f"in {time.time() - t0:.1f}s"

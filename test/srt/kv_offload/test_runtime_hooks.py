@@ -88,7 +88,9 @@ def test_build_replaces_the_pool_and_resplits_the_budget():
     budget = 4096 * (656 + 132) * LAYERS
     kv = pool.physical_size * 656 * LAYERS
     expect_logical = (budget - kv) // ((132 + 4) * LAYERS) // P * P
-    assert runner.max_total_num_tokens == pool.logical_size == expect_logical > 4096
+    assert pool.logical_size == expect_logical > 4096
+    # What the scheduler's idle leak check compares: free tokens when nothing is allocated.
+    assert runner.max_total_num_tokens == allocator.available_size() == pool.physical_size
     assert runner.hisparse_coordinator is runtime.get_coordinator()
     assert allocator.host_pool is not None and allocator.host_pool.size >= pool.logical_size
     runtime.set_coordinator(None)
@@ -183,6 +185,7 @@ def test_request_life_through_the_patched_scheduler_functions(offload_server_arg
         assert idx not in coordinator.requests
     coordinator.drain()
     assert allocator.free_counts() == start
+    assert allocator.available_size() == runner.max_total_num_tokens  # idle leak check holds
     assert not coordinator.requests
     coordinator.sparse_cache.check_invariants()
 

@@ -45,7 +45,7 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     Called from ``ModelRunnerKVCacheMixin._init_pools`` in place of the NSA pool. The profiler granted
     ``max_total_num_tokens`` tokens at the full per-token cost (KV + index); that byte budget is
     re-split into physical KV rows (sparse slots, decode tails, prompt staging) and logical tokens
-    (index keys only), and ``max_total_num_tokens`` becomes the logical capacity.
+    (index keys only). ``max_total_num_tokens`` becomes what the allocator reports free when idle.
     """
     from sglang.srt.configs.model_config import get_nsa_index_topk
     from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
@@ -130,7 +130,10 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     )
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = allocator
-    runner.max_total_num_tokens = sizing.logical_tokens
+    # The scheduler's token accounting compares the allocator's available_size() (inherited from
+    # HiSparse: min(logical, physical) free) with max_total_num_tokens, e.g. in the idle leak check,
+    # so the two must agree when nothing is allocated.
+    runner.max_total_num_tokens = min(sizing.logical_tokens, sizing.physical_slots)
     runner.hisparse_coordinator = coordinator
     set_coordinator(coordinator)
     logger.info(
