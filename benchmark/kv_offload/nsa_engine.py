@@ -363,6 +363,24 @@ class _Backend:
     def locs(self, req: int, start: int, end: int) -> torch.Tensor:
         return self.r2t.req_to_token[req, start:end].to(torch.int64)
 
+    # Both backends allocate the same way; only where KV rows live differs.
+    def alloc_prefill(self, req: int, n: int) -> bool:
+        locs = _alloc_extend(self.alloc, n, self.device)
+        if locs is None:
+            return False
+        self.r2t.req_to_token[req, :n] = locs.to(torch.int32)
+        self.seq[req] = n
+        return True
+
+    def alloc_decode(self, reqs: Sequence[int]) -> bool:
+        new = _alloc_decode(self.alloc, self.r2t.req_to_token, reqs, [self.seq[r] for r in reqs])
+        if new is None:
+            return False
+        for i, r in enumerate(reqs):
+            self.r2t.req_to_token[r, self.seq[r]] = new[i].to(torch.int32)
+            self.seq[r] += 1
+        return True
+
 
 class OracleBackend(_Backend):
     """All KV on the GPU: one plain ``NSATokenToKVPool`` sized for every logical token."""
@@ -386,23 +404,6 @@ class OracleBackend(_Backend):
 
     def used_tokens(self) -> int:
         return self.alloc.size - self.alloc.available_size()
-
-    def alloc_prefill(self, req: int, n: int) -> bool:
-        locs = _alloc_extend(self.alloc, n, self.device)
-        if locs is None:
-            return False
-        self.r2t.req_to_token[req, :n] = locs.to(torch.int32)
-        self.seq[req] = n
-        return True
-
-    def alloc_decode(self, reqs: Sequence[int]) -> bool:
-        new = _alloc_decode(self.alloc, self.r2t.req_to_token, reqs, [self.seq[r] for r in reqs])
-        if new is None:
-            return False
-        for i, r in enumerate(reqs):
-            self.r2t.req_to_token[r, self.seq[r]] = new[i].to(torch.int32)
-            self.seq[r] += 1
-        return True
 
     def admit(self, req: int) -> None:
         pass
@@ -486,23 +487,6 @@ class OffloadBackend(_Backend):
 
     def physical(self, locs: torch.Tensor) -> torch.Tensor:
         return self.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
-
-    def alloc_prefill(self, req: int, n: int) -> bool:
-        locs = _alloc_extend(self.alloc, n, self.device)
-        if locs is None:
-            return False
-        self.r2t.req_to_token[req, :n] = locs.to(torch.int32)
-        self.seq[req] = n
-        return True
-
-    def alloc_decode(self, reqs: Sequence[int]) -> bool:
-        new = _alloc_decode(self.alloc, self.r2t.req_to_token, reqs, [self.seq[r] for r in reqs])
-        if new is None:
-            return False
-        for i, r in enumerate(reqs):
-            self.r2t.req_to_token[r, self.seq[r]] = new[i].to(torch.int32)
-            self.seq[r] += 1
-        return True
 
     def admit(self, req: int) -> None:
         """After the prefill wrote every prompt row: back up its pages, ask for sparse slots."""
