@@ -58,9 +58,7 @@ def log(msg: str) -> None:
 
 
 def run(cmd: Sequence[str], cwd: Optional[Path] = None, check: bool = True, env=None):
-    res = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=env, text=True, capture_output=True
-    )
+    res = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, text=True, capture_output=True)
     if check and res.returncode != 0:
         raise TreeError(
             f"command failed ({res.returncode}): {' '.join(map(str, cmd))}\n{res.stdout}{res.stderr}"
@@ -255,7 +253,9 @@ def link_overlay(tree: Path) -> List[Path]:
     exclude = tree / ".git" / "info" / "exclude"
     lines = [f"/python/{rel}" for rel in links] + INSTALL_ARTIFACTS
     exclude.parent.mkdir(parents=True, exist_ok=True)
-    exclude.write_text("# kv_offload overlay links and install artifacts\n" + "\n".join(lines) + "\n")
+    exclude.write_text(
+        "# kv_offload overlay links and install artifacts\n" + "\n".join(lines) + "\n"
+    )
     for rel in links:
         dst = tree / "python" / rel
         src = OVERLAY / rel
@@ -288,8 +288,18 @@ def fetch_sdist(base: Base) -> Path:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         run(
             [
-                sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-                "--no-deps", "--no-binary", ":all:", "-d", tmp, f"{base.name}=={base.version}",
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                tmp,
+                f"{base.name}=={base.version}",
             ]
         )
         got = Path(tmp) / base.sdist
@@ -310,8 +320,15 @@ def uv_binary() -> Path:
         log(f"installing uv {UV_VERSION}")
         run(
             [
-                sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                "--target", CACHE / f"uv-{UV_VERSION}", f"uv=={UV_VERSION}",
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--target",
+                CACHE / f"uv-{UV_VERSION}",
+                f"uv=={UV_VERSION}",
             ]
         )
     return uv
@@ -324,8 +341,16 @@ def torch_wheel() -> Path:
         # pip resolves torch==2.13.0 to the CPU wheel on this machine kind's disk; uv would fetch CUDA.
         run(
             [
-                sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-                "--no-deps", "-d", wheels, f"torch=={TORCH_VERSION}",
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "-d",
+                wheels,
+                f"torch=={TORCH_VERSION}",
             ]
         )
         found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl"))
@@ -359,8 +384,18 @@ def ensure_venv(venv: Path) -> None:
     run([uv, "venv", "-q", "-p", "python3.11", venv], env=env)
     run(
         [
-            uv, "pip", "install", "-q", "-p", venv, wheel, f"triton=={TRITON_VERSION}",
-            "-r", reqs, "-c", cons,
+            uv,
+            "pip",
+            "install",
+            "-q",
+            "-p",
+            venv,
+            wheel,
+            f"triton=={TRITON_VERSION}",
+            "-r",
+            reqs,
+            "-c",
+            cons,
         ],
         env=env,
     )
@@ -419,14 +454,32 @@ def unpack_base(tgz: Path, tree: Path, base: Base) -> None:
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
     with tarfile.open(tgz) as tf:
-        tf.extractall(tree, filter="data") if hasattr(tarfile, "data_filter") else tf.extractall(tree)
+        (
+            tf.extractall(tree, filter="data")
+            if hasattr(tarfile, "data_filter")
+            else tf.extractall(tree)
+        )
     top = tree / f"{base.name}-{base.version}"
     top.rename(tree / "python")
     git(tree, "init", "-q")
     git(tree, "add", "-A")
     # The editable install rewrites the egg-info; keep it out of the base so it never looks like an edit.
-    git(tree, "rm", "-r", "-q", "--cached", "--ignore-unmatch", *[a.lstrip("/") for a in INSTALL_ARTIFACTS])
-    git(tree, "commit", "-q", "-m", f"pristine {base.name} {base.version} (sdist sha256 {base.sha256})")
+    git(
+        tree,
+        "rm",
+        "-r",
+        "-q",
+        "--cached",
+        "--ignore-unmatch",
+        *[a.lstrip("/") for a in INSTALL_ARTIFACTS],
+    )
+    git(
+        tree,
+        "commit",
+        "-q",
+        "-m",
+        f"pristine {base.name} {base.version} (sdist sha256 {base.sha256})",
+    )
     git(tree, "tag", "base")
 
 
@@ -486,9 +539,7 @@ def render_patch(tree: Path, sha: str, msg: str) -> str:
     subject, _, why = body.partition("\n")
     diff = git(tree, "diff", "--no-color", "--no-ext-diff", "-U3", f"{sha}^", sha)
     stat = git(tree, "diff", "--stat=100", f"{sha}^", sha)
-    return (
-        f"Subject: [PATCH] {subject.strip()}\n\n{why.strip()}\n\n---\n{stat.rstrip()}\n\n{diff}"
-    )
+    return f"Subject: [PATCH] {subject.strip()}\n\n{why.strip()}\n\n---\n{stat.rstrip()}\n\n{diff}"
 
 
 def cmd_refresh(args) -> int:
@@ -525,7 +576,17 @@ def cmd_refresh(args) -> int:
             if not args.subject or not args.why:
                 raise TreeError("--new needs --subject and --why (they become the patch header)")
             git(tree, "add", "-u")
-            git(tree, "commit", "-q", "-m", args.subject, "-m", args.why, "-m", f"{PATCH_TRAILER} {args.new}")
+            git(
+                tree,
+                "commit",
+                "-q",
+                "-m",
+                args.subject,
+                "-m",
+                args.why,
+                "-m",
+                f"{PATCH_TRAILER} {args.new}",
+            )
         else:
             raise TreeError(
                 "the build tree has uncommitted edits to upstream files ("
@@ -552,7 +613,11 @@ def read_series_names_raw() -> List[str]:
     series = PATCHES / "series"
     if not series.exists():
         return []
-    return [l.split("#", 1)[0].strip() for l in series.read_text().splitlines() if l.split("#", 1)[0].strip()]
+    return [
+        l.split("#", 1)[0].strip()
+        for l in series.read_text().splitlines()
+        if l.split("#", 1)[0].strip()
+    ]
 
 
 def cmd_check(args) -> int:
@@ -564,7 +629,9 @@ def cmd_check(args) -> int:
         apply_series(tree, names, commit=False)
         links = overlay_links(base_paths_of(tree))
     print(f"base: {base.name} {base.version} (sha256 {base.sha256[:12]}...)")
-    print(f"overlay: {len(overlay_files())} files under {len(links)} new paths, none shadows upstream:")
+    print(
+        f"overlay: {len(overlay_files())} files under {len(links)} new paths, none shadows upstream:"
+    )
     for rel in links:
         print(f"  python/{rel}")
     total_files, total_add, total_del = set(), 0, 0
@@ -601,17 +668,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="default: .venv/")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="materialise the patched tree and install it editable")
-    p.add_argument("--force", action="store_true", help="rebuild from the base, dropping unrefreshed edits")
+    p.add_argument(
+        "--force", action="store_true", help="rebuild from the base, dropping unrefreshed edits"
+    )
     p.add_argument("--no-venv", action="store_true", help="do not create or install into the venv")
     p.set_defaults(func=cmd_build)
     p = sub.add_parser("refresh", help="regenerate patches/ from edits made in the build tree")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--into", metavar="NAME", help="fold uncommitted edits into this existing patch")
-    g.add_argument("--new", metavar="NAME", help="start a new patch NNNN-topic.patch from the edits")
+    g.add_argument(
+        "--new", metavar="NAME", help="start a new patch NNNN-topic.patch from the edits"
+    )
     p.add_argument("--subject", help="first line of a new patch (with --new)")
     p.add_argument("--why", help="why the hook exists (with --new)")
     p.set_defaults(func=cmd_refresh)
-    p = sub.add_parser("check", help="prove the series applies to a pristine base; print the footprint")
+    p = sub.add_parser(
+        "check", help="prove the series applies to a pristine base; print the footprint"
+    )
     p.set_defaults(func=cmd_check)
     args = parser.parse_args(argv)
     args.build_dir = args.build_dir.resolve()

@@ -60,7 +60,9 @@ def thp_pinned(nbytes):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "probe_uva_gather.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", "."), "probe_uva_gather.json")
+    )
     ap.add_argument("--rows", type=int, default=24534)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -72,8 +74,14 @@ def main():
     ref_d = torch.empty_like(ref_h, device=dev)
     res["memcpy_ms"] = bench(lambda: ref_d.copy_(ref_h, non_blocking=True))
     configs = [
-        (528, 4, 4), (1056, 4, 4), (2112, 4, 4), (4224, 2, 4), (4224, 4, 4), (8448, 2, 2),
-        (1056, 8, 8), (264, 16, 8),
+        (528, 4, 4),
+        (1056, 4, 4),
+        (2112, 4, 4),
+        (4224, 2, 4),
+        (4224, 4, 4),
+        (8448, 2, 2),
+        (1056, 8, 8),
+        (264, 16, 8),
     ]
     for kind in ("torch_pinned",):
         for gb in (0.6, 2.8, 11.0):
@@ -89,7 +97,9 @@ def main():
             si = torch.randint(0, rows_total, (n,), device=dev, dtype=torch.int64)
             sorted_si = torch.sort(si).values
             # Fresh addresses every call, as in decode (repeating one list keeps GPU TLBs warm).
-            fresh = [torch.randint(0, rows_total, (n,), device=dev, dtype=torch.int64) for _ in range(32)]
+            fresh = [
+                torch.randint(0, rows_total, (n,), device=dev, dtype=torch.int64) for _ in range(32)
+            ]
             it = iter(range(10**9))
             view_h, view_d = transfer.RowView(host), transfer.RowView(dst)
             for progs, rpp, warps in configs:
@@ -100,18 +110,31 @@ def main():
                             view_h, view_d, fresh[next(it) % 32], di, config=cfg
                         )
                     else:
-                        fn = lambda: transfer.copy_rows(view_h, view_d, idx, di, config=cfg)  # noqa: E731
+                        fn = lambda: transfer.copy_rows(
+                            view_h, view_d, idx, di, config=cfg
+                        )  # noqa: E731
                     ms = bench(fn)
                     res["points"].append(
-                        dict(kind=kind, host_gb=gb, programs=progs, rows_per_program=rpp,
-                             warps=warps, order=order, ms=ms, GBps=n * ROW / ms / 1e6, **extra)
+                        dict(
+                            kind=kind,
+                            host_gb=gb,
+                            programs=progs,
+                            rows_per_program=rpp,
+                            warps=warps,
+                            order=order,
+                            ms=ms,
+                            GBps=n * ROW / ms / 1e6,
+                            **extra,
+                        )
                     )
             transfer.copy_rows(view_h, view_d, sorted_si, di)
             torch.cuda.synchronize()
             ok = torch.equal(dst[di.long()].cpu(), host[sorted_si.cpu()])
             res["points"][-1]["exact"] = bool(ok)
-            best = max((p for p in res["points"] if p["kind"] == kind and p["host_gb"] == gb),
-                       key=lambda p: p["GBps"])
+            best = max(
+                (p for p in res["points"] if p["kind"] == kind and p["host_gb"] == gb),
+                key=lambda p: p["GBps"],
+            )
             print(f"{kind:15s} {gb:5.1f} GB  best {best['GBps']:.1f} GB/s {best}", flush=True)
             if kind == "torch_pinned":
                 del host

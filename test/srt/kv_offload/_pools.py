@@ -1,7 +1,6 @@
 """Real kv offload device pools for tests: DeepSeek-V3.2 NSA row shapes, few layers."""
 
 import torch
-
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import KVOffloadNSATokenToKVPool
 
 P = 64

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 
 

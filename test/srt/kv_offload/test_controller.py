@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from _pools import offload_device_pool
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
@@ -15,7 +16,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
-from _pools import offload_device_pool
 
 P = 64
 LAYOUTS = {656: (torch.float8_e4m3fn, 656), 1152: (torch.bfloat16, 576)}

@@ -7,9 +7,9 @@ the end every allocator's free count is back where it started.
 
 import pytest
 import torch
+from _pools import offload_device_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -18,7 +18,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-from _pools import offload_device_pool
 
 P = 64
 LAYERS = 2

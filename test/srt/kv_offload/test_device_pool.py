@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _pools import offload_device_pool
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
@@ -12,7 +13,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     split_gpu_budget,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
-from _pools import offload_device_pool
 
 P = 64
 FP8 = (torch.float8_e4m3fn, 656)

@@ -98,7 +98,8 @@ def test_bf16_pressure_retracts_and_recomputes():
 def test_pages_completed_by_the_pending_token_wait_for_its_write():
     """A page completed by the token about to be decoded must not be backed up before the forward
     writes that token (found by this engine: the stale host copy was loaded later). Both length
-    contracts must equal the all-on-GPU run; the 60-token prompt completes a page at decode step 4."""
+    contracts must equal the all-on-GPU run; the 60-token prompt completes a page at decode step 4.
+    """
     for contract in ("allocated", "written"):
         cfg = EngineConfig.cpu(seq_lens_contract=contract)
         engine = nsa_engine.Engine(cfg)

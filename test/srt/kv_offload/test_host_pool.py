@@ -3,13 +3,13 @@
 import psutil
 import pytest
 import torch
+from _pools import offload_device_pool
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import (
     HostPoolSizeError,
     KVOffloadHostPool,
     host_kv_bytes_per_token,
     host_pool_tokens,
 )
-from _pools import offload_device_pool
 
 P = 64
 FP8 = (torch.float8_e4m3fn, 656)  # NSA fp8 layout: 512 fp8 + 16 B scales + 64 bf16 rope

@@ -9,9 +9,8 @@ import types
 from types import SimpleNamespace
 
 import pytest
-import torch
-
 import sglang.srt.server_args as server_args_module
+import torch
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache

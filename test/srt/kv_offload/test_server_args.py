@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfigError
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -115,7 +114,15 @@ def test_radix_cache_on():
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args(
-        ["--model-path", DSA_MODEL, "--device", "cpu", "--attention-backend", "nsa", "--enable-kv-offload"]
+        [
+            "--model-path",
+            DSA_MODEL,
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "nsa",
+            "--enable-kv-offload",
+        ]
     )
     assert "--disable-radix-cache" in rejected(args)
 
@@ -124,7 +131,9 @@ def test_decode_backend_must_read_flat_slots():
     msg = rejected(make_args("--enable-kv-offload", "--nsa-decode-backend", "trtllm"))
     assert "--nsa-decode-backend trtllm" in msg and "fa3 or flashmla_sparse" in msg
     msg = rejected(
-        make_args("--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3", "--nsa-decode-backend", "fa3")
+        make_args(
+            "--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3", "--nsa-decode-backend", "fa3"
+        )
     )
     assert "Use --nsa-decode-backend flashmla_kv" in msg
 

@@ -62,14 +62,26 @@ def test_overlay_may_not_shadow_upstream(tool, tmp_path, monkeypatch):
     }
     assert tool.overlay_links(base) == [Path("sglang/srt/mem_cache/sparsity/kv_offload")]
     (overlay / "sglang/srt/mem_cache/sparsity/__init__.py").write_text("")
-    with pytest.raises(tool.TreeError, match=r"python/sglang/srt/mem_cache/sparsity/__init__.py would shadow"):
+    with pytest.raises(
+        tool.TreeError, match=r"python/sglang/srt/mem_cache/sparsity/__init__.py would shadow"
+    ):
         tool.overlay_links(base)
 
 
 def _git(repo, *args):
-    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
-                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    subprocess.run(
+        ["git", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        env={
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        },
+    )
 
 
 def test_conflict_names_patch_file_and_hunk(tool, tmp_path):
@@ -80,8 +92,7 @@ def test_conflict_names_patch_file_and_hunk(tool, tmp_path):
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "base")
-    patch = textwrap.dedent(
-        """\
+    patch = textwrap.dedent("""\
         Subject: [PATCH] demo
 
         ---
@@ -98,8 +109,7 @@ def test_conflict_names_patch_file_and_hunk(tool, tmp_path):
          line DIFFERENT
         +another
          line 32
-        """
-    )
+        """)
     (tool.PATCHES / "0099-demo.patch").write_text(patch)
     with pytest.raises(tool.TreeError) as info:
         tool.apply_series(repo, ["0099-demo.patch"], commit=False)
@@ -119,7 +129,9 @@ def test_build_refresh_round_trip(tool, tmp_path):
     assert "enable_kv_offload: bool = False" in text
     # Overlay directories are linked, not copied.
     link = tree / "python/sglang/srt/mem_cache/sparsity/kv_offload"
-    assert link.is_symlink() and link.resolve() == (ROOT / "python/sglang/srt/mem_cache/sparsity/kv_offload")
+    assert link.is_symlink() and link.resolve() == (
+        ROOT / "python/sglang/srt/mem_cache/sparsity/kv_offload"
+    )
 
     # A second build with nothing changed does not touch the tree.
     marker = tree / "python/sglang/srt/server_args.py"
@@ -128,10 +140,12 @@ def test_build_refresh_round_trip(tool, tmp_path):
     assert marker.stat().st_mtime_ns == mtime
 
     # Edits without a destination are refused; with --into they land in that patch.
-    server_args.write_text(text.replace(
-        "    kv_offload_config: Optional[str] = None\n",
-        "    kv_offload_config: Optional[str] = None  # round-trip marker\n",
-    ))
+    server_args.write_text(
+        text.replace(
+            "    kv_offload_config: Optional[str] = None\n",
+            "    kv_offload_config: Optional[str] = None  # round-trip marker\n",
+        )
+    )
     assert tool.main([*args, "refresh"]) == 1
     patch_name = "0001-server-args-kv-offload-flag.patch"
     assert tool.main([*args, "refresh", "--into", patch_name]) == 0
@@ -141,8 +155,21 @@ def test_build_refresh_round_trip(tool, tmp_path):
     # A new topic becomes its own patch, listed in the series after the first.
     init = tree / "python/sglang/srt/mem_cache/sparsity/__init__.py"
     init.write_text(init.read_text() + "# new topic\n")
-    assert tool.main([*args, "refresh", "--new", "0002-demo-topic.patch",
-                      "--subject", "sparsity: demo", "--why", "Because a test says so."]) == 0
+    assert (
+        tool.main(
+            [
+                *args,
+                "refresh",
+                "--new",
+                "0002-demo-topic.patch",
+                "--subject",
+                "sparsity: demo",
+                "--why",
+                "Because a test says so.",
+            ]
+        )
+        == 0
+    )
     assert tool.read_series()[-1] == "0002-demo-topic.patch"
     body = (tool.PATCHES / "0002-demo-topic.patch").read_text()
     assert "Because a test says so." in body and "+# new topic" in body
@@ -150,4 +177,7 @@ def test_build_refresh_round_trip(tool, tmp_path):
     # The regenerated series still applies to a pristine base.
     fresh = tmp_path / "fresh"
     assert tool.main(["--build-dir", str(fresh), "build", "--no-venv"]) == 0
-    assert "# new topic" in (fresh / "sglang/python/sglang/srt/mem_cache/sparsity/__init__.py").read_text()
+    assert (
+        "# new topic"
+        in (fresh / "sglang/python/sglang/srt/mem_cache/sparsity/__init__.py").read_text()
+    )

@@ -82,7 +82,9 @@ def test_host_pool_and_cache_controller():
     )
     # KV only: the index buffer is not part of this host pool.
     assert host.get_size_per_token() == 576 * 2 * 2
-    allocator = PagedTokenToKVPoolAllocator(4 * PAGE, PAGE, torch.bfloat16, "cpu", device_pool, False)
+    allocator = PagedTokenToKVPoolAllocator(
+        4 * PAGE, PAGE, torch.bfloat16, "cpu", device_pool, False
+    )
     controller = HiCacheController(
         allocator,
         host,

@@ -66,14 +66,14 @@ class KVOffloadConfig:
             except json.JSONDecodeError as exc:
                 raise KVOffloadConfigError(
                     f"--kv-offload-config is not valid JSON ({exc.msg} at position {exc.pos}). "
-                    'Pass an object such as \'{"sparse_slots_per_req": 4096}\'.'
+                    "Pass an object such as '{\"sparse_slots_per_req\": 4096}'."
                 ) from None
         else:
             raw = text
         if not isinstance(raw, dict):
             raise KVOffloadConfigError(
                 f"--kv-offload-config must be a JSON object, got {type(raw).__name__}. "
-                'Pass an object such as \'{"sparse_slots_per_req": 4096}\'.'
+                "Pass an object such as '{\"sparse_slots_per_req\": 4096}'."
             )
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(fields))

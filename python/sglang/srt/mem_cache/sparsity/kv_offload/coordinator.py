@@ -24,7 +24,6 @@ import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     PlanWorkspace,
     plan_layer,

@@ -18,7 +18,6 @@ import logging
 from typing import Optional
 
 import torch
-
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig
 
 logger = logging.getLogger(__name__)
