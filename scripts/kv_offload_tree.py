@@ -279,6 +279,14 @@ def link_overlay(tree: Path) -> List[Path]:
 # --------------------------------------------------------------------------------------------------
 
 
+def pip_download(dest, requirement: str, *extra: str) -> None:
+    """``pip download`` one requirement (no dependencies) into ``dest`` with the system pip."""
+    run(
+        [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
+        + ["--no-deps", *extra, "-d", dest, requirement]
+    )
+
+
 def fetch_sdist(base: Base) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     tgz = CACHE / base.sdist
@@ -286,22 +294,7 @@ def fetch_sdist(base: Base) -> Path:
         return tgz
     log(f"fetching {base.name}=={base.version} sdist")
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-d",
-                tmp,
-                f"{base.name}=={base.version}",
-            ]
-        )
+        pip_download(tmp, f"{base.name}=={base.version}", "--no-binary", ":all:")
         got = Path(tmp) / base.sdist
         if not got.exists():
             raise TreeError(f"pip did not produce {base.sdist} in {tmp}")
@@ -339,20 +332,7 @@ def torch_wheel() -> Path:
     found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl")) if wheels.exists() else []
     if not found:
         # pip resolves torch==2.13.0 to the CPU wheel on this machine kind's disk; uv would fetch CUDA.
-        run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "-d",
-                wheels,
-                f"torch=={TORCH_VERSION}",
-            ]
-        )
+        pip_download(wheels, f"torch=={TORCH_VERSION}")
         found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl"))
     if not found:
         raise TreeError(f"could not obtain a torch {TORCH_VERSION} wheel")

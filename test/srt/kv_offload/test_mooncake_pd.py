@@ -232,23 +232,14 @@ def _wait_done(conn, timeout_s: float):
 
 class _Decode:
     def __init__(self):
-        from types import SimpleNamespace
 
         import sglang.srt.server_args as server_args_module
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.chunk_cache import ChunkCache
         from sglang.srt.mem_cache.sparsity.kv_offload import runtime
-        from test_runtime_hooks import make_runner
+        from test_runtime_hooks import make_runner, offload_global_server_args
 
-        server_args_module.set_global_server_args_for_scheduler(
-            SimpleNamespace(
-                enable_kv_offload=True,
-                page_size=P,
-                speculative_algorithm=None,
-                attention_backend="nsa",
-                enable_mamba_extra_buffer=lambda: False,
-            )
-        )
+        server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
         self.runtime = runtime
         self.runner = make_runner(max_total_tokens=4096, max_reqs=8)
         self.pool = self.runner.token_to_kv_pool

@@ -60,18 +60,21 @@ def make_runner(max_total_tokens=4096, max_reqs=4, config=None):
     return runner
 
 
+def offload_global_server_args() -> SimpleNamespace:
+    """The global server args fields the patched scheduler functions read, flag on."""
+    return SimpleNamespace(
+        enable_kv_offload=True,
+        page_size=P,
+        speculative_algorithm=None,
+        attention_backend="nsa",
+        enable_mamba_extra_buffer=lambda: False,
+    )
+
+
 @pytest.fixture()
 def offload_server_args():
     saved = server_args_module._global_server_args
-    server_args_module.set_global_server_args_for_scheduler(
-        SimpleNamespace(
-            enable_kv_offload=True,
-            page_size=P,
-            speculative_algorithm=None,
-            attention_backend="nsa",
-            enable_mamba_extra_buffer=lambda: False,
-        )
-    )
+    server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
     yield
     server_args_module._global_server_args = saved
     runtime.set_coordinator(None)
