@@ -156,6 +156,14 @@ def patch_subject(patch_text: str, fallback: str) -> str:
     return fallback
 
 
+def patch_why(patch_text: str) -> str:
+    """The header paragraph between the Subject line and ``---`` (kept through build/refresh)."""
+    head = patch_text.split("\n---\n", 1)[0]
+    lines = head.splitlines()
+    start = next((i + 1 for i, l in enumerate(lines) if l.startswith("Subject:")), 0)
+    return "\n".join(lines[start:]).strip()
+
+
 def explain_conflict(name: str, patch_text: str, tree: Path) -> str:
     """Name the patch, file and hunk that does not apply (git reports only a line number)."""
     proc = subprocess.run(
@@ -198,7 +206,9 @@ def apply_series(tree: Path, names: Sequence[str], commit: bool) -> None:
             raise TreeError(explain_conflict(name, text, tree))
         if commit:
             subject = patch_subject(text, name)
-            git(tree, "commit", "-q", "-m", subject, "-m", f"{PATCH_TRAILER} {name}")
+            why = patch_why(text)
+            message = ["-m", subject] + (["-m", why] if why else [])
+            git(tree, "commit", "-q", *message, "-m", f"{PATCH_TRAILER} {name}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ def test_values_round_trip():
         "pin_host_memory": False,
         "h2d_programs_per_req": 4,
         "backup_chunk_tokens": 4096,
+        "pd_direct_to_host": True,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
     assert cfg.sparse_slots_per_req == 8192
@@ -28,6 +29,7 @@ def test_values_round_trip():
     assert cfg.host_pool_size_gb == 200.0 and isinstance(cfg.host_pool_size_gb, float)
     assert cfg.pin_host_memory is False
     assert cfg.h2d_programs_per_req == 4
+    assert cfg.pd_direct_to_host is True and KVOffloadConfig().pd_direct_to_host is False
     assert KVOffloadConfig.from_json(raw) == cfg
 
 
@@ -51,6 +53,7 @@ def test_values_round_trip():
         ('{"pin_host_memory": 1}', "must be a JSON bool"),
         ('{"h2d_programs_per_req": -4}', "must be >= 0"),
         ('{"backup_chunk_tokens": 100}', "multiple of 64"),
+        ('{"pd_direct_to_host": "yes"}', "pd_direct_to_host must be a JSON bool"),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):

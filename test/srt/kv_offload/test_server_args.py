@@ -110,6 +110,19 @@ def test_prefill_server():
     assert "decode server only" in rejected(args)
 
 
+def test_direct_to_host_needs_a_decode_server():
+    direct = '{"pd_direct_to_host": true}'
+    msg = rejected(make_args("--enable-kv-offload", "--kv-offload-config", direct))
+    assert "pd_direct_to_host" in msg and "--disaggregation-mode is 'null'" in msg
+    args = make_args("--enable-kv-offload", "--kv-offload-config", direct)
+    args.disaggregation_mode = "decode"
+    args.disaggregation_transfer_backend = "nixl"
+    msg = rejected(args)
+    assert "--disaggregation-transfer-backend mooncake" in msg and "'nixl'" in msg
+    args.disaggregation_transfer_backend = "mooncake"
+    args.check_server_args()
+
+
 def test_radix_cache_on():
     from sglang.srt.server_args import prepare_server_args
 

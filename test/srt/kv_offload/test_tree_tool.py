@@ -151,6 +151,13 @@ def test_build_refresh_round_trip(tool, tmp_path):
     assert tool.main([*args, "refresh", "--into", patch_name]) == 0
     assert "# round-trip marker" in (tool.PATCHES / patch_name).read_text()
     assert (tool.PATCHES / patch_name).read_text().startswith("Subject: [PATCH] server_args:")
+    # Every patch keeps its header paragraph (the "why") through build + refresh.
+    for name in tool.read_series():
+        assert (
+            tool.patch_why((tool.PATCHES / name).read_text())
+            == tool.patch_why((ROOT / "patches" / name).read_text())
+            != ""
+        ), name
 
     # A new topic becomes its own patch, listed in the series after the first.
     init = tree / "python/sglang/srt/mem_cache/sparsity/__init__.py"

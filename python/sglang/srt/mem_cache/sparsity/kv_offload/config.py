@@ -45,6 +45,9 @@ class KVOffloadConfig:
             ``(batch, h2d_programs_per_req)``); 0 uses the default measured on the H200 (2).
         backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
             bounds how long one backup occupies the copy path.
+        pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
+            into the decode host pool (registered with the transfer engine), so no GPU page stages
+            the prompt and no backup copies it; the NSA index state still goes to the GPU.
     """
 
     sparse_slots_per_req: int = 4096
@@ -54,6 +57,7 @@ class KVOffloadConfig:
     pin_host_memory: bool = True
     h2d_programs_per_req: int = 0
     backup_chunk_tokens: int = 8192
+    pd_direct_to_host: bool = False
 
     @classmethod
     def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
@@ -168,6 +172,24 @@ def _reject(message: str) -> None:
     raise KVOffloadConfigError(f"--enable-kv-offload: {message}")
 
 
+def _check_direct_to_host(server_args) -> None:
+    """``pd_direct_to_host`` needs a PD decode server whose prefill peers write over Mooncake."""
+    mode = server_args.disaggregation_mode
+    if mode != "decode":
+        raise KVOffloadConfigError(
+            f"--kv-offload-config: pd_direct_to_host is set but --disaggregation-mode is {mode!r}; "
+            "it only changes where a PD decode server receives prompt KV. Use --disaggregation-mode "
+            "decode or drop pd_direct_to_host."
+        )
+    backend = getattr(server_args, "disaggregation_transfer_backend", "mooncake")
+    if backend != "mooncake":
+        raise KVOffloadConfigError(
+            f"--kv-offload-config: pd_direct_to_host needs --disaggregation-transfer-backend "
+            f"mooncake (got {backend!r}): only Mooncake registers host memory as a transfer "
+            "destination here. Use mooncake or drop pd_direct_to_host."
+        )
+
+
 def validate_server_args(server_args) -> KVOffloadConfig:
     """Reject flag combinations that kv offload does not support; return the parsed config.
 
@@ -234,6 +256,8 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "this is a prefill server (--disaggregation-mode prefill), which never decodes. Put "
             "--enable-kv-offload on the decode server only."
         )
+    if config.pd_direct_to_host:
+        _check_direct_to_host(server_args)
     if server_args.disaggregation_mode == "null" and not server_args.disable_radix_cache:
         _reject(
             "the radix cache shares prompt KV between requests, but offloaded KV is owned by one "

@@ -155,6 +155,42 @@ class KVOffloadCacheController(HiCacheController):
             self.load_config,
         )
 
+    # ------------------------------------------------------------------ admission from the host
+    def load_rows(self, host_slots: torch.Tensor, device_rows: torch.Tensor) -> None:
+        """Copy ``host[host_slots] -> kv_buffer[layer][device_rows]`` for every layer.
+
+        On the current stream, so the forward that follows reads the rows. Used once per
+        direct-to-host admission for the prompt rows of a partial last page.
+        """
+        copy_rows_all_layers(
+            self._host_views,
+            self._device_views,
+            host_slots.to(self.device),
+            device_rows.to(self.device),
+            config=self.load_config,
+        )
+
+    def free_host_when_read(self, host_slots: torch.Tensor) -> None:
+        """Return ``host_slots`` (whole pages) once the copies queued so far have read them.
+
+        The free is deferred to ``poll`` (a cancelled handle), never immediate: a slot freed now
+        could become a PD transfer destination before the current stream's load has run.
+        """
+        event = device_module.Event()
+        event.record()
+        host_cpu = host_slots.to("cpu", torch.int64)
+        self.inflight.append(
+            BackupHandle(
+                id=next(self._ids),
+                tag=None,
+                logical_locs=host_slots.new_empty((0,)),
+                host_slots=host_cpu,
+                host_slots_device=host_slots,
+                finish_event=event,
+                cancelled=True,
+            )
+        )
+
     # ------------------------------------------------------------------ backups
     def backup(
         self,

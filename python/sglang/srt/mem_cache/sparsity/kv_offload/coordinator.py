@@ -12,7 +12,11 @@ A request's KV moves through three places:
   by the GPU LRU (:mod:`sparse_cache`, :mod:`lru_kernels`): each layer's top-k misses are loaded
   into them just before attention.
 
-The scheduler-side calls (:meth:`admit`, :meth:`before_decode_step`, :meth:`release`) run between
+A PD decode server with ``pd_direct_to_host`` skips the first place for the prompt: the prefill
+side writes it straight into host pages (:meth:`admit_from_host` takes it over from there).
+
+The scheduler-side calls (:meth:`admit`, :meth:`admit_from_host`, :meth:`before_decode_step`,
+:meth:`release`) run between
 forward passes and may touch host state; :meth:`swap_in_selected_pages` runs inside the forward
 (CUDA-graph safe: fixed shapes, device-side counts, no sync, no allocation).
 """
@@ -54,6 +58,7 @@ class KVOffloadCoordinator:
         controller: ``KVOffloadCacheController`` (loads and backups).
         sparse_cache: the GPU LRU state; its slot allocator is the physical allocator.
         max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace.
+        pd_direct_to_host: PD prompts arrive in host pages (:meth:`admit_from_host`), not GPU rows.
         grouped_loads: load each request's misses with its own programs (row-packed miss list and
             ``copy_rows_grouped``; faster on the H200) instead of one strided pass over a compact list.
     """
@@ -66,6 +71,7 @@ class KVOffloadCoordinator:
         sparse_cache: SparseCacheState,
         max_bs: int,
         grouped_loads: bool = True,
+        pd_direct_to_host: bool = False,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -76,12 +82,19 @@ class KVOffloadCoordinator:
         self.topk = sparse_cache.topk
         self.max_bs = max_bs
         self.grouped_loads = grouped_loads
+        self.pd_direct_to_host = pd_direct_to_host
         self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; hooks set it before replay.
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
         self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
-        self.stats = {"admitted": 0, "released": 0, "backup_tokens": 0, "deferred_backups": 0}
+        self.stats = {
+            "admitted": 0,
+            "admitted_from_host": 0,
+            "released": 0,
+            "backup_tokens": 0,
+            "deferred_backups": 0,
+        }
 
     # ------------------------------------------------------------------ scheduler side
     def admit(self, req_pool_idx: int, seq_len: int, written_len: Optional[int] = None) -> None:
@@ -102,6 +115,67 @@ class KVOffloadCoordinator:
         self.stats["admitted"] += 1
         self._grant_slots(req)
         self._start_backups([req])
+
+    def admit_from_host(self, req_pool_idx: int, prompt_len: int) -> None:
+        """Take over a PD request whose prompt KV the prefill side wrote into host pages.
+
+        Positions ``[0, prompt_len)`` have logical locs and host slots in ``loc_to_host`` (whole
+        pages, from ``alloc_extend_to_host``) and no physical row. Complete pages stay on the host
+        as they are: no backup runs. A partial last page (``prompt_len % page_size`` rows) becomes
+        the GPU decode tail, exactly as after a staged admission: it gets a physical page, its
+        prompt rows are loaded from the host on the current stream and the host page is returned
+        once that load has read it. Decode tokens then continue the page on the GPU, and its backup,
+        once the page is complete, copies 64 correct rows.
+
+        Sparse slots are granted first: every prompt row is on the host, so without slots nothing
+        could be read. Raises RuntimeError, with nothing changed, when the prompt is not on the host
+        or the physical pool cannot give the slots and the tail page (the pool is sized so that it
+        can; see ``build_for_model_runner``).
+        """
+        r = int(req_pool_idx)
+        if r in self.requests:
+            raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
+        n = int(prompt_len)
+        page = self.page_size
+        full = n // page * page
+        locs = self.req_to_token[r, :n].to(torch.int64)
+        host = self.allocator.loc_to_host[locs].cpu()  # one small sync per admission
+        if n == 0 or bool((host < 0).any()):
+            raise RuntimeError(
+                f"kv_offload: req_pool_idx {r} has {int((host < 0).sum())} of {n} prompt positions "
+                "without a host slot; direct-to-host requests must be pre-allocated with "
+                "alloc_extend_to_host (runtime.pd_prealloc)"
+            )
+        if not self.sparse_cache.admit(r, n):
+            raise RuntimeError(
+                f"kv_offload: no sparse slots for direct-to-host req_pool_idx {r} "
+                f"({self.allocator.physical_available_size()} physical rows free). Its prompt is "
+                "on the host only, so it cannot run without them; leave sparse_pool_slots at 0 "
+                "(auto) in --kv-offload-config or raise it"
+            )
+        if n > full:
+            physical = self.allocator.hisparse_attn_allocator.alloc(page)
+            if physical is None:
+                self.sparse_cache.release(r)
+                raise RuntimeError(
+                    f"kv_offload: no physical page for the decode tail of direct-to-host "
+                    f"req_pool_idx {r}; leave sparse_pool_slots at 0 (auto) in --kv-offload-config "
+                    "or raise it"
+                )
+            tail_locs = locs[full:]
+            tail_rows = physical[: n - full]
+            page_locs = tail_locs[0] + self.allocator._page_offsets
+            host_page = host[full] + torch.arange(page, dtype=torch.int64)
+            self.allocator.full_to_hisparse_device_index_mapping[tail_locs] = tail_rows
+            self.controller.load_rows(host_page[: n - full], tail_rows)
+            self.allocator.loc_to_host[page_locs] = -1
+            self.controller.free_host_when_read(host_page)
+        req = OffloadedRequest(
+            req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True
+        )
+        self.requests[r] = req
+        self.stats["admitted"] += 1
+        self.stats["admitted_from_host"] += 1
 
     def before_decode_step(self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> None:
         """Between forwards: complete finished backups, back up newly completed pages, grow slots.

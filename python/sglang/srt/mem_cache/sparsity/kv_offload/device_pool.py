@@ -312,6 +312,46 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.full_to_hisparse_device_index_mapping[logical] = physical
         return logical
 
+    def alloc_extend_to_host(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """PD direct-to-host pre-allocation for a new request's positions ``[0, num_tokens)``.
+
+        Takes logical locs (``req_to_token`` and the index buffer) and host pages, and records the
+        host slot of every loc of each logical page in ``loc_to_host`` (the partial last page
+        included, so ``free`` returns whole host pages); no physical row is taken. Returns the
+        logical locs (int64 on the device), or ``None`` with nothing taken when the logical space or
+        the host pool is short.
+        """
+        if self.host_pool is None:
+            raise RuntimeError(
+                "kv_offload direct-to-host pre-allocation needs the host pool "
+                "(call register_host_pool first)"
+            )
+        page = self.page_size
+        need = -(-int(num_tokens) // page) * page
+        if need == 0:
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
+        if need > self.logical_available_size() or need > self.host_pool.available_size():
+            return None
+        host = self.host_pool.alloc(need)
+        if host is None:
+            return None
+        runs = host.view(-1, page)
+        if not bool(((runs - runs[:, :1]) == self._page_offsets.cpu()).all()) or bool(
+            (runs[:, 0] % page != 0).any()
+        ):
+            self.host_pool.free(host)
+            raise RuntimeError(
+                "kv_offload host pool returned slots that are not whole aligned pages; a PD "
+                "transfer writes whole pages, so every host allocation and free must be in pages "
+                f"of {page}"
+            )
+        logical = self.logical_attn_allocator.alloc(need)
+        if logical is None:
+            self.host_pool.free(host)
+            return None
+        self.loc_to_host[logical] = host.to(self.loc_to_host.device)
+        return logical[:num_tokens]
+
     # ------------------------------------------------------------------ host bookkeeping
     def set_host_locs(self, logical_locs: torch.Tensor, host_slots: torch.Tensor) -> None:
         self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)

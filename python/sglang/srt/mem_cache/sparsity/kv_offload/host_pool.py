@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import psutil
 import torch
@@ -158,6 +158,18 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
     def host_row_view(self, layer_id: int) -> torch.Tensor:
         """``(size, row_bytes) uint8`` view of one layer (what the kernels index)."""
         return self.kv_buffer[layer_id - self.start_layer].view(self.size, -1).view(torch.uint8)
+
+    def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
+        """Per-layer ``(data_ptrs, data_lens, item_lens)`` for a PD transfer engine, one item a page.
+
+        The same format as the device pool's: an item is ``page_size`` tokens of one layer, so a
+        prefill server writes page ``p`` of this pool with the pointer arithmetic it uses for GPU
+        pages (``ptr + p * item_len``). Upstream ``MLATokenToKVPoolHost`` reports one token per item
+        (HiSparse's host pages are single tokens).
+        """
+        ptrs = [int(self.kv_buffer[i].data_ptr()) for i in range(self.layer_num)]
+        lens = [int(self.kv_buffer[i].nbytes) for i in range(self.layer_num)]
+        return ptrs, lens, [self.token_stride_size * self.page_size] * self.layer_num
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:

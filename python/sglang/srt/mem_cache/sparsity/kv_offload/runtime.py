@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig
+from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,16 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     physical = config.sparse_pool_slots or physical_slots_needed(
         max_running, config.sparse_slots_per_req, staging
     )
+    if config.pd_direct_to_host:
+        # admit_from_host must always find every running request's slots and tail pages.
+        floor = physical_slots_needed(max_running, config.sparse_slots_per_req, 0)
+        if physical < floor:
+            raise KVOffloadConfigError(
+                f"--kv-offload-config: sparse_pool_slots={physical} is too small for "
+                f"pd_direct_to_host: {max_running} requests x (sparse_slots_per_req="
+                f"{config.sparse_slots_per_req} + 2 tail pages) need {floor}. Set it to 0 (auto) "
+                f"or at least {floor}."
+            )
     sizing = split_gpu_budget(
         budget,
         layers,
@@ -125,7 +135,12 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     )
     max_bs = max(server_args.cuda_graph_max_bs or 0, max_running)
     coordinator = KVOffloadCoordinator(
-        runner.req_to_token_pool.req_to_token, allocator, controller, sparse, max_bs=max_bs
+        runner.req_to_token_pool.req_to_token,
+        allocator,
+        controller,
+        sparse,
+        max_bs=max_bs,
+        pd_direct_to_host=config.pd_direct_to_host,
     )
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = allocator
@@ -164,6 +179,12 @@ def prepare_decode_step(batch) -> None:
     seq_lens = batch.seq_lens_cpu.tolist()
     for r, n in zip(req_pool_indices, seq_lens):
         if r not in coordinator.requests:
+            if coordinator.pd_direct_to_host:
+                raise RuntimeError(
+                    f"kv offload: req_pool_idx {r} reached a decode step without admission; with "
+                    "pd_direct_to_host every request is admitted when its transfer completes "
+                    "(runtime.admit_transferred in the PD decode queue)"
+                )
             # The token about to be decoded has a loc but no KV yet.
             coordinator.admit(r, n, written_len=n - 1)
     coordinator.before_decode_step(req_pool_indices, seq_lens)
@@ -181,19 +202,88 @@ def release_request(req_pool_idx: Optional[int]) -> None:
         coordinator.release(req_pool_idx)
 
 
-def physical_kv_locs(logical_locs: torch.Tensor) -> torch.Tensor:
-    """PD decode hook: where a prompt's KV rows are, for the transfer engine's KV destination.
-
-    The prefill side writes KV pages into the decode side's KV buffer by page id; with the split pool
-    those rows are physical (``alloc_extend`` gives each logical page a physical page with the same
-    in-page offsets), while the NSA index state keeps its logical page ids.
-    """
+def _require_coordinator():
     coordinator = get_coordinator()
     if coordinator is None:
         raise RuntimeError(
             "kv offload is enabled but its pools were not built in this process; "
             "check that the model is an NSA model and --attention-backend is nsa"
         )
-    mapping = coordinator.allocator.full_to_hisparse_device_index_mapping
-    physical = mapping[logical_locs.to(mapping.device, torch.int64)]
-    return physical.to(logical_locs.dtype)
+    return coordinator
+
+
+# -------------------------------------------------------------------------------------------------
+# PD decode (disaggregation/decode.py). The prompt KV destination is either the GPU physical pages
+# (the default: backed up to the host after admission) or, with ``pd_direct_to_host``, host pool
+# pages written by the prefill side directly. The NSA index state always goes to the logical pages.
+# -------------------------------------------------------------------------------------------------
+
+
+def pd_kv_buf_infos(device_pool) -> Tuple[List[int], List[int], List[int]]:
+    """``DecodePreallocQueue._init_kv_manager`` hook: the KV buffers registered for transfers.
+
+    The host pool's per-layer buffers with ``pd_direct_to_host`` (one item a page, as on the
+    GPU, so the prefill side's page arithmetic is unchanged), else the device pool's.
+    """
+    coordinator = _require_coordinator()
+    if coordinator.pd_direct_to_host:
+        return coordinator.allocator.host_pool.get_contiguous_buf_infos()
+    return device_pool.get_contiguous_buf_infos()
+
+
+def pd_prealloc(fill_len: int) -> Optional[torch.Tensor]:
+    """``DecodePreallocQueue._pre_alloc`` hook: logical locs for a new request's ``fill_len`` tokens.
+
+    Default: upstream's ``alloc_extend`` (a physical row behind every logical loc). With
+    ``pd_direct_to_host``: logical locs and host pages only (``alloc_extend_to_host``).
+    Returns ``None`` when the pools are short, as ``alloc_extend`` does.
+    """
+    coordinator = _require_coordinator()
+    allocator = coordinator.allocator
+    if coordinator.pd_direct_to_host:
+        return allocator.alloc_extend_to_host(fill_len)
+    device = allocator.device
+    return allocator.alloc_extend(
+        prefix_lens=torch.tensor([0], dtype=torch.int64, device=device),
+        prefix_lens_cpu=torch.tensor([0], dtype=torch.int64),
+        seq_lens=torch.tensor([fill_len], dtype=torch.int64, device=device),
+        seq_lens_cpu=torch.tensor([fill_len], dtype=torch.int64),
+        last_loc=torch.tensor([-1], dtype=torch.int64, device=device),
+        extend_num_tokens=fill_len,
+    )
+
+
+def pd_kv_destination_locs(logical_locs: torch.Tensor) -> torch.Tensor:
+    """``pop_preallocated`` hook: where the prompt's KV rows go, for the transfer engine.
+
+    The prefill side writes KV pages by page id. Default: the physical rows (``alloc_extend``
+    gives each logical page a physical page with the same in-page offsets). With
+    ``pd_direct_to_host``: the host slots (whole aligned host pages). The caller keeps the logical
+    page ids for the NSA index state.
+    """
+    coordinator = _require_coordinator()
+    if coordinator.pd_direct_to_host:
+        table = coordinator.allocator.loc_to_host
+    else:
+        table = coordinator.allocator.full_to_hisparse_device_index_mapping
+    return table[logical_locs.to(table.device, torch.int64)].to(logical_locs.dtype)
+
+
+def physical_kv_locs(logical_locs: torch.Tensor) -> torch.Tensor:
+    """The physical rows behind ``logical_locs`` (the default PD destination)."""
+    mapping = _require_coordinator().allocator.full_to_hisparse_device_index_mapping
+    return mapping[logical_locs.to(mapping.device, torch.int64)].to(logical_locs.dtype)
+
+
+def admit_transferred(reqs) -> None:
+    """``process_decode_queue`` hook, for requests whose prompt transfer has just succeeded.
+
+    With ``pd_direct_to_host`` each is admitted from the host here, before its first decode step
+    allocates a token in its last page (which must then already be a GPU page). Default mode:
+    nothing (requests are admitted at their first decode step, from GPU rows).
+    """
+    coordinator = get_coordinator()
+    if coordinator is None or not coordinator.pd_direct_to_host:
+        return
+    for req in reqs:
+        coordinator.admit_from_host(req.req_pool_idx, req.kv_allocated_len)
