@@ -1,0 +1,448 @@
+"""DeepSeek-V3.2-sized decode with ``--enable-kv-offload``: GPU memory, concurrency and offload time.
+
+Run on the GPU machine (``source scripts/gpu_env.sh`` first). For each ``(batch, context)`` point:
+
+1. **Memory per request** (61 layers, fp8 656 B rows, 132 B index rows, real upstream pools): the
+   GPU bytes ``torch.cuda.memory_allocated`` grows by when building (a) upstream's
+   ``NSATokenToKVPool`` for ``batch x context`` tokens (all KV on the GPU) and (b) kv_offload's
+   split pool + allocator tables + GPU LRU state + plan workspace for the same batch (index keys for
+   every token; KV rows only for ``batch x (sparse_slots + one page of decode tail)``). The host
+   bytes of (b) are reported beside it.
+2. **Concurrency in a GPU KV budget** (default 40 GB): the largest batch of that context whose
+   pools fit, both ways; the offload side is then really allocated at that batch and measured.
+   With PD over the GPU, one arriving prompt is staged in physical rows before its backup: the
+   offload batch is given with and without that staging (direct-to-host ingestion needs none).
+3. **Offload time per step**: the real host pool (pinned, ``host_layers`` layers), controller,
+   GPU LRU and coordinator at that batch. Prompts are written to physical rows and admitted (the
+   prompt backup is timed), then decode steps run: ``alloc_decode`` + ``before_decode_step`` (page
+   backups) and, for every layer, ``swap_in_selected_pages`` (positions -> locs, plan, grouped H2D)
+   replayed from one CUDA graph. Top-k positions follow a controlled churn trace (each step replaces
+   ``churn`` of the previous step's top-k per layer, as in bench_lru), because random weights give no
+   realistic top-k. Reported per layer and per 61-layer step, beside the time of the attention-side
+   compute of the same layer written with torch ops (indexer scores over the whole context, top-k,
+   sparse MLA over 2048 rows, 128 heads): production kernels are faster, so the share of the step
+   given here is a lower bound.
+4. **Correctness at scale**: after the last step, every row the last layer's swap-in returned
+   equals the host copy (or the GPU tail row) of the token it stands for.
+
+Writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import nsa_engine as ne  # noqa: E402  (imports no sglang module at import time)
+
+logger = logging.getLogger("bench_decode_scale")
+
+LAYERS = 61
+GB = 1e9
+MLA_HEADS = 128
+
+
+def _measure(build: Callable[[], Any]) -> Tuple[Any, int]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    m0 = torch.cuda.memory_allocated()
+    obj = build()
+    torch.cuda.synchronize()
+    return obj, torch.cuda.memory_allocated() - m0
+
+
+def _pool_kwargs(layers: int) -> Dict[str, Any]:
+    return dict(
+        page_size=ne.PAGE,
+        kv_lora_rank=ne.KV_LORA,
+        dtype=torch.float8_e4m3fn,
+        qk_rope_head_dim=ne.ROPE,
+        layer_num=layers,
+        device="cuda",
+        index_head_dim=ne.INDEX_DIM,
+        enable_memory_saver=False,
+        kv_cache_dim=ne.FP8_ROW_BYTES,
+    )
+
+
+class OffloadStack:
+    """The kv_offload objects a model runner builds (runtime.build_for_model_runner), sized here."""
+
+    def __init__(
+        self,
+        reqs: int,
+        logical_tokens: int,
+        physical_rows: int,
+        layers: int,
+        slots: int,
+        topk: int,
+        max_context: int,
+        with_host: bool,
+    ) -> None:
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+            KVOffloadNSATokenToKVPool,
+            KVOffloadTokenToKVPoolAllocator,
+        )
+        from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace
+        from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+        logical = -(-logical_tokens // ne.PAGE) * ne.PAGE
+        physical = -(-physical_rows // ne.PAGE) * ne.PAGE
+        kw = _pool_kwargs(layers)
+        kw.pop("page_size")
+        self.r2t = ReqToTokenPool(reqs + 1, max_context, "cuda", False)
+        self.pool = KVOffloadNSATokenToKVPool(
+            physical_size=physical, logical_size=logical, page_size=ne.PAGE, **kw
+        )
+        self.alloc = KVOffloadTokenToKVPoolAllocator(
+            logical, physical, ne.PAGE, torch.float8_e4m3fn, "cuda", self.pool, False
+        )
+        self.sparse = SparseCacheState(
+            num_layers=layers,
+            num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
+            max_reqs=self.r2t.size,
+            buffer_slots=slots,
+            topk=topk,
+            allocator=self.alloc.hisparse_attn_allocator,
+            device="cuda",
+        )
+        self.host = self.controller = self.coord = self.workspace = None
+        if not with_host:  # the coordinator's own workspace, for the memory count
+            self.workspace = PlanWorkspace(reqs, topk, self.sparse.max_slots, torch.device("cuda"))
+        else:
+            from sglang.srt.mem_cache.sparsity.kv_offload.controller import (
+                KVOffloadCacheController,
+            )
+            from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+            from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+
+            self.host = KVOffloadHostPool(self.pool, host_pool_ratio=1.0)
+            self.controller = KVOffloadCacheController(self.alloc, self.host)
+            self.coord = KVOffloadCoordinator(
+                self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=reqs
+            )
+
+
+def offload_physical_rows(reqs: int, slots: int, staging: int) -> int:
+    """Sparse slots + one page of decode tail per request, plus prompt staging rows."""
+    return reqs * (slots + ne.PAGE) + staging
+
+
+# ------------------------------------------------------------------------------------ memory
+def memory_point(bs: int, ctx: int, a) -> Dict[str, Any]:
+    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+    out: Dict[str, Any] = dict(bs=bs, ctx=ctx, layers=LAYERS, slots=a.slots)
+    pool, full = _measure(lambda: NSATokenToKVPool(size=bs * ctx, **_pool_kwargs(LAYERS)))
+    del pool
+    out["full_gpu_bytes"] = full
+    build = lambda n, staging: OffloadStack(  # noqa: E731
+        n, n * ctx, offload_physical_rows(n, a.slots, staging), LAYERS, a.slots, a.topk, ctx, False
+    )
+    stack, off = _measure(lambda: build(bs, 0))
+    del stack
+    out["offload_gpu_bytes"] = off
+    out["full_per_req"] = full / bs
+    out["offload_per_req"] = off / bs
+    out["host_per_req"] = ctx * LAYERS * ne.FP8_ROW_BYTES
+    out["gpu_ratio"] = full / off
+    budget = a.budget_gb * GB
+    staging_bytes = ctx * LAYERS * ne.FP8_ROW_BYTES
+    out["max_bs_full"] = int(budget // out["full_per_req"])
+    out["max_bs_offload_direct"] = int(budget // out["offload_per_req"])
+    out["max_bs_offload_staged"] = int((budget - staging_bytes) // out["offload_per_req"])
+    # Really allocate the offload side at the staged maximum (the conservative one) and measure.
+    n = out["max_bs_offload_staged"]
+    stack, used = _measure(lambda: build(n, ctx))
+    del stack
+    out["offload_alloc_at_max_staged"] = used
+    out["offload_fits"] = used <= budget
+    out["concurrency_gain_staged"] = n / max(1, out["max_bs_full"])
+    out["concurrency_gain_direct"] = out["max_bs_offload_direct"] / max(1, out["max_bs_full"])
+    torch.cuda.empty_cache()
+    logger.info(
+        "memory bs %d ctx %d: full %.2f GB/req, offload %.3f GB/req (%.1fx); in %.0f GB: %d full vs "
+        "%d offload (staged, allocated %.1f GB) / %d (direct)",
+        bs,
+        ctx,
+        out["full_per_req"] / GB,
+        out["offload_per_req"] / GB,
+        out["gpu_ratio"],
+        a.budget_gb,
+        out["max_bs_full"],
+        n,
+        used / GB,
+        out["max_bs_offload_direct"],
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------ timing
+def _traces(
+    bs: int, ctx: int, topk: int, churn: float, steps: int, seed: int
+) -> List[torch.Tensor]:
+    """Per step ``(bs, topk)`` int32 positions in ``[0, ctx)`` (bench_lru's generator, chunked)."""
+    sys.path.insert(0, HERE)
+    from bench_lru import make_traces
+
+    parts = [
+        make_traces(min(16, bs - s), ctx, topk, churn, steps, "cuda", seed + s)
+        for s in range(0, bs, 16)
+    ]
+    return [torch.cat([p[i] for p in parts]) for i in range(steps)]
+
+
+def _attention_side_ms(bs: int, ctx: int, a, kv_rows: torch.Tensor) -> float:
+    """Indexer scores over the context + top-k + sparse MLA (128 heads), torch ops, one layer."""
+    dev = torch.device("cuda")
+    q_idx = torch.randn(bs, 64, ne.INDEX_DIM, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(bs, 64, device=dev, dtype=torch.float32)
+    keys = torch.randn(bs, ctx, ne.INDEX_DIM, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(bs, MLA_HEADS, ne.LATENT, device=dev, dtype=torch.bfloat16)
+    rows = torch.randint(0, kv_rows.shape[0], (bs, a.topk), device=dev)
+
+    def layer():
+        s = torch.einsum("bhd,btd->bht", q_idx, keys).relu_()
+        scores = (s.float() * w[:, :, None]).sum(dim=1)
+        torch.topk(scores, a.topk, dim=1)
+        kv = ne.dequantize_rows(kv_rows[rows], "fp8").to(torch.bfloat16)
+        p = torch.softmax(torch.einsum("bhc,bkc->bhk", q, kv).float() * ne.LATENT**-0.5, -1)
+        torch.einsum("bhk,bkc->bhc", p.to(torch.bfloat16), kv[..., : ne.KV_LORA])
+
+    for _ in range(2):
+        layer()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        layer()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
+    layers = a.host_layers
+    out: Dict[str, Any] = dict(bs=bs, ctx=ctx, host_layers=layers, churn=a.churn, steps=a.steps)
+    max_ctx = ctx + a.steps + ne.PAGE
+    t0 = time.time()
+    st = OffloadStack(
+        bs,
+        bs * max_ctx,
+        offload_physical_rows(bs, a.slots, ctx + ne.PAGE),
+        layers,
+        a.slots,
+        a.topk,
+        max_ctx,
+        True,
+    )
+    out["setup_s"] = time.time() - t0
+    out["host_gb"] = st.host.size * st.host.size_per_token / GB
+    logger.info(
+        "timing bs %d ctx %d: pools ready in %.1f s (host %.1f GB pinned, %d layers)",
+        bs,
+        ctx,
+        out["setup_s"],
+        out["host_gb"],
+        layers,
+    )
+    start_free = st.alloc.free_counts()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(a.seed)
+    lens = [ctx - (r % ne.PAGE) for r in range(bs)]  # pages complete on different steps
+    # Prompts: write random KV into their physical rows, admit, back up; time the backups.
+    backup_s, backup_bytes = 0.0, 0
+    for r, n in enumerate(lens):
+        locs = ne._alloc_extend(st.alloc, n, dev)
+        st.r2t.req_to_token[r, :n] = locs.to(torch.int32)
+        phys = st.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
+        for layer in range(layers):
+            rows = st.pool.device_row_view(layer)
+            rows[phys] = torch.randint(
+                0, 256, (n, rows.shape[1]), device=dev, dtype=torch.uint8, generator=gen
+            )
+        torch.cuda.synchronize()
+        t = time.time()
+        st.coord.admit(r, n)
+        st.coord.drain()
+        backup_s += time.time() - t
+        backup_bytes += n // ne.PAGE * ne.PAGE * layers * ne.FP8_ROW_BYTES
+    out["prompt_backup_GBps"] = backup_bytes / backup_s / GB
+    out["prompt_backup_ms_per_request"] = 1e3 * backup_s / bs
+    logger.info(
+        "prompt backups: %.1f GB/s, %.1f ms per %d-token request (%d layers)",
+        out["prompt_backup_GBps"],
+        out["prompt_backup_ms_per_request"],
+        ctx,
+        layers,
+    )
+
+    traces = [
+        _traces(bs, ctx - ne.PAGE, a.topk, a.churn, a.steps, a.seed + 7 * layer)
+        for layer in range(layers)
+    ]
+    topk_static = [torch.empty((bs, a.topk), dtype=torch.int32, device=dev) for _ in range(layers)]
+    rpi = torch.arange(bs, dtype=torch.int64, device=dev)
+    seq_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+    misses = torch.zeros((), dtype=torch.int64, device=dev)
+    results: List[torch.Tensor] = []
+    st.coord.set_num_real_reqs(bs)
+
+    def swap_all_layers():
+        for layer in range(layers):
+            res = st.coord.swap_in_selected_pages(rpi, seq_t, topk_static[layer], layer)
+            misses.add_(st.coord.workspace.num_misses[:bs].sum())
+        results.append(res)
+
+    for layer in range(layers):
+        topk_static[layer].copy_(traces[layer][0])
+    graph = None
+    if not a.eager:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            swap_all_layers()  # warm-up (compiles, mutates the LRU like a first step)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            swap_all_layers()
+    step_ms, prep_ms, miss_counts = [], [], []
+    cur = list(lens)
+    for step in range(1, a.steps):
+        for layer in range(layers):
+            topk_static[layer].copy_(traces[layer][step])
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        torch.cuda.synchronize()
+        misses.zero_()
+        e0.record()
+        locs = ne._alloc_decode(st.alloc, st.r2t.req_to_token, range(bs), cur)
+        cur = [n + 1 for n in cur]
+        st.r2t.req_to_token[torch.arange(bs, device=dev), torch.tensor(cur, device=dev) - 1] = (
+            locs.to(torch.int32)
+        )
+        st.coord.before_decode_step(list(range(bs)), cur)
+        e1.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            swap_all_layers()
+        e2.record()
+        torch.cuda.synchronize()
+        if step >= a.warm:
+            prep_ms.append(e0.elapsed_time(e1))
+            step_ms.append(e1.elapsed_time(e2))
+            miss_counts.append(int(misses))
+    seq_t.copy_(torch.tensor(cur, device=dev))
+    st.coord.drain()
+    # Correctness: the last layer's rows hold the host copy (or the tail row) of each token.
+    last = layers - 1
+    rows = results[-1][:bs].to(torch.int64)
+    pos = traces[last][a.steps - 1].to(torch.int64)
+    loc = st.r2t.req_to_token[rpi[:, None], pos].to(torch.int64)
+    dev_rows = st.pool.device_row_view(last)[rows.clamp(min=0)]
+    h = st.alloc.loc_to_host[loc]
+    tail = st.alloc.full_to_hisparse_device_index_mapping[loc]
+    on_host = h >= 0
+    host_rows = st.host.host_row_view(last)[h.clamp(min=0).cpu()].to(dev)
+    ok_host = bool((dev_rows == host_rows).all(dim=-1)[on_host].all())
+    ok_tail = bool((rows == tail)[~on_host].all())
+    out["exact"] = ok_host and ok_tail and bool((rows >= 0).all())
+    out["graph"] = graph is not None
+    lay_ms = statistics.median(step_ms) / layers
+    out["offload_ms_per_layer"] = lay_ms
+    out["offload_ms_per_step_61"] = lay_ms * LAYERS
+    out["prep_ms_per_step"] = statistics.median(prep_ms)
+    out["misses_per_layer"] = statistics.median(miss_counts) / layers
+    out["hit_rate"] = 1 - out["misses_per_layer"] / (bs * a.topk)
+    out["h2d_GBps"] = out["misses_per_layer"] * ne.FP8_ROW_BYTES / lay_ms / 1e6
+    attn = _attention_side_ms(bs, ctx, a, st.pool.device_row_view(0))
+    out["attention_side_ms_per_layer"] = attn
+    out["offload_share_lower_bound"] = lay_ms / (lay_ms + attn)
+    # Release everything; the free counts return to where they started.
+    for r, n in enumerate(cur):
+        st.coord.release(r, free_kv=True)
+    st.coord.drain()
+    out["leak_free"] = st.alloc.free_counts() == start_free
+    logger.info(
+        "bs %d ctx %d: offload %.3f ms/layer (%.1f ms per 61-layer step, prep %.2f ms), hit %.3f, "
+        "%.1f GB/s H2D, attention-side torch %.3f ms/layer -> share <= %.1f%%; exact %s, leak-free %s",
+        bs,
+        ctx,
+        lay_ms,
+        out["offload_ms_per_step_61"],
+        out["prep_ms_per_step"],
+        out["hit_rate"],
+        out["h2d_GBps"],
+        attn,
+        100 * out["offload_share_lower_bound"],
+        out["exact"],
+        out["leak_free"],
+    )
+    del st, traces
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--points", nargs="+", default=["64x32768", "16x131072"], help="BATCHxCONTEXT points"
+    )
+    p.add_argument("--slots", type=int, default=4096, help="sparse slots per request")
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--budget-gb", type=float, default=40.0)
+    p.add_argument(
+        "--host-layers",
+        type=int,
+        default=8,
+        help="layers of the timed stack (host pool pinned for these layers)",
+    )
+    p.add_argument("--churn", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager", action="store_true", help="no CUDA graph for the layer loop")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode_scale.json")
+    )
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ne.prepare_environment("cuda")
+    points = [tuple(int(v) for v in s.split("x")) for s in a.points]
+    res: Dict[str, Any] = dict(
+        args=vars(a),
+        env=dict(torch=torch.__version__, device=torch.cuda.get_device_name()),
+        memory=[],
+        timing=[],
+    )
+    t0 = time.time()
+    for bs, ctx in points:
+        if not a.skip_memory:
+            res["memory"].append(memory_point(bs, ctx, a))
+            json.dump(res, open(a.out, "w"), indent=1)
+    for bs, ctx in points:
+        if not a.skip_timing:
+            res["timing"].append(timing_point(bs, ctx, a))
+            json.dump(res, open(a.out, "w"), indent=1)
+    res["wall_s"] = time.time() - t0
+    json.dump(res, open(a.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
