@@ -88,6 +88,28 @@ class Harness:
         self.coord.admit(r, prompt_len)
         return True
 
+    def admit_from_host(self, prompt_len):
+        """PD direct to host: logical locs + host pages, the prompt written into the host pages as
+        a prefill server's whole-page transfer does (junk past the prompt), then admission."""
+        if not self.free_reqs:
+            return None
+        locs = self.alloc.alloc_extend_to_host(prompt_len)
+        if locs is None:
+            return None
+        r = self.free_reqs.pop()
+        self.r2t.req_to_token[r, :prompt_len] = locs.to(torch.int32)
+        host = self.alloc.loc_to_host[locs].cpu()
+        pages = torch.unique(host // P)
+        whole = (pages[:, None] * P + torch.arange(P)).reshape(-1)
+        rows = [self.rand_rows(prompt_len).cpu() for _ in range(LAYERS)]
+        for layer in range(LAYERS):
+            view = self.host.host_row_view(layer)
+            view[whole] = self.rand_rows(whole.numel()).cpu()
+            view[host] = rows[layer]
+        self.kv[r] = [x.to(self.device) for x in rows]
+        self.coord.admit_from_host(r, prompt_len)
+        return r
+
     def seq_len(self, r):
         return self.kv[r][0].shape[0]
 
@@ -227,6 +249,114 @@ def test_admission_without_slots_keeps_request_on_gpu():
     h.step(reqs, draw)  # decodes and resolves rows whether or not a request got slots
     assert any(held)
     h.finish_all()
+
+
+def _seeded_draw(seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(seq_len):
+        return torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
+
+    return draw
+
+
+def test_admit_from_host_then_decode_across_page_boundaries():
+    """Prompts already in host pages: no physical row until admission, no backup of the prompt,
+    the partial last page becomes the GPU tail, and once decode completes that page its host copy
+    holds all 64 rows (prompt rows from the host, decode rows from the GPU)."""
+    h = Harness(physical_pages=24, logical_pages=40, buffer_slots=64)
+    lengths = (1, 63, 64, 65, 130)
+    physical = h.alloc.physical_available_size()
+    host = h.host.available_size()
+    reqs = []
+    for n in lengths:
+        free_rows = h.alloc.physical_available_size()
+        locs = h.alloc.alloc_extend_to_host(n)
+        # Pre-allocation takes logical locs and whole host pages, no physical row.
+        assert h.alloc.physical_available_size() == free_rows
+        assert bool((h.alloc.full_to_hisparse_device_index_mapping[locs] == 0).all())
+        h.alloc.free(locs)  # (undo: the harness allocates again below)
+        reqs.append(h.admit_from_host(n))
+    assert h.coord.stats["backup_tokens"] == 0 and h.coord.stats["admitted_from_host"] == 5
+    held = sum(h.sparse.slots_for(n) + (P if n % P else 0) for n in lengths)
+    assert physical - h.alloc.physical_available_size() == held
+    for r, n in zip(reqs, lengths):
+        locs = h.r2t.req_to_token[r, :n].long()
+        full = n // P * P
+        assert bool((h.alloc.loc_to_host[locs[:full]] >= 0).all())
+        assert bool((h.alloc.full_to_hisparse_device_index_mapping[locs[:full]] == 0).all())
+        assert bool((h.alloc.loc_to_host[locs[full:]] == -1).all())
+        view = h.pool.device_row_view(0)
+        rows = h.alloc.full_to_hisparse_device_index_mapping[locs[full:]]
+        assert torch.equal(view[rows], h.kv[r][0][full:]), "partial page not loaded to the GPU"
+    h.coord.drain()  # the partial pages' host pages come back once their load has read them
+    assert host - h.host.available_size() == sum(n // P * P for n in lengths)
+    draw = _seeded_draw(7)
+    for _ in range(70):
+        h.step(reqs, draw)  # every layer's rows equal the request's KV (hits, misses, tails)
+        h.coord.drain()
+    for r in reqs:
+        n = h.seq_len(r)
+        full = (n - 1) // P * P
+        locs = h.r2t.req_to_token[r, :full].long()
+        slots = h.alloc.loc_to_host[locs]
+        assert bool((slots >= 0).all())
+        for layer in range(LAYERS):
+            assert torch.equal(
+                h.host.host_row_view(layer)[slots.cpu()], h.kv[r][layer][:full].cpu()
+            )
+    h.finish_all()
+
+
+def test_direct_to_host_failed_transfer_frees_host_pages_and_locs():
+    h = Harness()
+    locs = h.alloc.alloc_extend_to_host(130)
+    taken = dict(h.start, logical=h.start["logical"] - 3 * P, host=h.start["host"] - 3 * P)
+    assert h.alloc.free_counts() == taken
+    # KVPoll.Failed: release_kv_cache -> the release hook (nothing admitted) -> allocator.free.
+    assert not h.coord.release(0)
+    h.alloc.free(locs)
+    assert h.alloc.free_counts() == h.start
+
+
+def _prealloc_to_host(h, r, n):
+    locs = h.alloc.alloc_extend_to_host(n)
+    h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
+    return locs
+
+
+@pytest.mark.parametrize(
+    "physical_pages, needle", [(4, "no sparse slots"), (5, "no physical page")]
+)
+def test_admit_from_host_refused_changes_nothing(physical_pages, needle):
+    # Two admitted 65-token prompts hold 2 pages each (64 slots + the tail page); a third finds
+    # no slots (4 pages) or slots but no tail page (5 pages).
+    h = Harness(physical_pages=physical_pages, buffer_slots=64)
+    assert h.admit_from_host(65) is not None and h.admit_from_host(65) is not None
+    r = h.free_reqs.pop()
+    locs = _prealloc_to_host(h, r, 65)
+    before = h.alloc.free_counts()
+    with pytest.raises(RuntimeError, match=needle):
+        h.coord.admit_from_host(r, 65)
+    assert h.alloc.free_counts() == before and r not in h.coord.requests
+    h.sparse.check_invariants()
+    h.alloc.free(locs)
+    h.free_reqs.append(r)
+    h.finish_all()
+
+
+def test_admit_from_host_refuses_a_prompt_that_is_not_on_the_host():
+    h = Harness()
+    z = torch.zeros(1, dtype=torch.int64)
+    seq = torch.tensor([100])
+    locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), 100)  # GPU rows, no host
+    h.r2t.req_to_token[0, :100] = locs.to(torch.int32)
+    before = h.alloc.free_counts()
+    with pytest.raises(RuntimeError, match="100 of 100 prompt positions without a host slot"):
+        h.coord.admit_from_host(0, 100)
+    assert h.alloc.free_counts() == before and not h.coord.requests
+    h.alloc.free(locs)
+    assert h.alloc.free_counts() == h.start
 
 
 @settings(max_examples=25, deadline=None)

@@ -1,20 +1,26 @@
 """PD decode receive path into kv offload, over a real Mooncake transfer engine (TCP, 127.0.0.1).
 
-Three spawned processes (the pytest process only orchestrates):
+Runs twice: with the prompt KV destination on the GPU (physical pages, backed up after admission)
+and with ``pd_direct_to_host`` (host pool pages, no GPU staging, no backup). Three spawned processes
+per run (the pytest process only orchestrates):
 
 - decode: the kv offload pools and coordinator built by ``runtime.build_for_model_runner`` (fp8 656 B
-  rows, 2 layers); registers the device pool's KV buffers (physical rows) and index-state buffers
-  (logical pages) with sglang's ``MooncakeTransferEngine``; pre-allocates requests as PD decode's
-  ``_pre_alloc`` does and computes the destination pages as the patched ``pop_preallocated`` does (KV:
-  ``kv_to_page_indices(physical_kv_locs(locs))``; state: ``kv_to_page_indices(locs)``);
+  rows, 2 layers); registers the KV buffers the patched ``_init_kv_manager`` registers
+  (``runtime.pd_kv_buf_infos``: device pool, or host pool) and the index-state buffers (logical pages)
+  with sglang's ``MooncakeTransferEngine``; pre-allocates requests through the patched
+  ``DecodePreallocQueue._pre_alloc`` and computes the destination pages as the patched
+  ``pop_preallocated`` does (KV: ``kv_to_page_indices(pd_kv_destination_locs(locs))``; state:
+  ``kv_to_page_indices(locs)``);
 - prefill (two of them): an upstream ``NSATokenToKVPool`` with the same page layout holding random KV
   and index pages; writes them to the decode side page by page with ``batch_transfer_sync``, with the
   per-page pointer arithmetic of ``MooncakeKVManager._send_kvcache_generic`` (src ``ptr + page *
   item_len``, dst likewise, one item per page and layer buffer), then reports what it sent.
 
-The decode side checks the received bytes (KV through logical -> physical, index pages by logical
-page), admits the requests into the coordinator, drains the backups and checks the host copies of
-the complete pages and the GPU tails, then releases everything through the patched
+The decode side checks the received bytes (KV through logical -> physical or logical -> host, index
+pages by logical page) and the physical allocator (direct-to-host: untouched by the transfer), admits
+the requests into the coordinator (direct-to-host: ``runtime.admit_transferred``, as the patched
+``process_decode_queue`` does), drains the backups and checks the host copies of the complete pages
+and the GPU tails, then releases everything through the patched
 ``release_kv_cache`` and checks that every allocator's free count is back at its start. Failures: a
 prefill process killed mid-transfer (the decode side sees the connection drop, or times out waiting
 for "done") and a sender that sends fewer pages than expected (page-count check before admission);
@@ -35,6 +41,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -48,6 +55,7 @@ LONG_PROMPT = 1000  # 16 pages; its sender is killed after DIE_AFTER_PAGES
 DIE_AFTER_PAGES = 6
 DONE_TIMEOUT_S = 20.0  # decode: how long to wait for a sender's "done"
 RUN_TIMEOUT_S = 150.0  # the whole three-process run
+MODES = ("gpu_pages", "direct_to_host")  # where the prompt KV lands on the decode side
 
 LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 FETCH_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "env" / "fetch_debian_libs.sh"
@@ -231,7 +239,7 @@ def _wait_done(conn, timeout_s: float):
 
 
 class _Decode:
-    def __init__(self):
+    def __init__(self, direct: bool):
 
         import sglang.srt.server_args as server_args_module
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -241,7 +249,9 @@ class _Decode:
 
         server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
         self.runtime = runtime
-        self.runner = make_runner(max_total_tokens=4096, max_reqs=8)
+        self.direct = direct
+        config = {"sparse_slots_per_req": 128, "pd_direct_to_host": direct}
+        self.runner = make_runner(max_total_tokens=4096, max_reqs=8, config=config)
         self.pool = self.runner.token_to_kv_pool
         self.allocator = self.runner.token_to_kv_pool_allocator
         self.coordinator = runtime.get_coordinator()
@@ -254,16 +264,25 @@ class _Decode:
                 page_size=P,
             )
         )
+        # The fields the patched DecodePreallocQueue._pre_alloc reads.
+        self.prealloc_queue = SimpleNamespace(
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            scheduler=SimpleNamespace(
+                enable_hisparse=False, server_args=SimpleNamespace(enable_kv_offload=True)
+            ),
+        )
         self.engine = _engine()
-        self.kv_ptrs, kv_lens, self.kv_items = self.pool.get_contiguous_buf_infos()
+        self.kv_ptrs, kv_lens, self.kv_items = runtime.pd_kv_buf_infos(self.pool)
         self.st_ptrs, st_lens, self.st_items = self.pool.get_state_buf_infos()
         rc = self.engine.batch_register(self.kv_ptrs + self.st_ptrs, kv_lens + st_lens)
         assert rc == 0, f"batch_register returned {rc}"
         self.start = self.allocator.free_counts()
-        # A request already decoding: its sparse slots and backed-up pages shift the physical page
-        # ids away from the logical ones, so a destination computed in the wrong space shows.
+        # A request already decoding: its sparse slots, backed-up pages (and, direct to host, its
+        # host pages) shift the physical and host page ids away from the logical ones, so a
+        # destination computed in the wrong space shows.
         self.resident, _, _ = self.prealloc("resident", 200)
-        self.coordinator.admit(self.resident.req_pool_idx, 200)
+        self.admit(self.resident, 200)
         self.coordinator.drain()
 
     def release_resident(self) -> dict:
@@ -274,16 +293,26 @@ class _Decode:
         return {"free_counts": self.allocator.free_counts(), "start_counts": self.start}
 
     def prealloc(self, rid: str, n: int):
-        """``DecodePreallocQueue._pre_alloc`` + the patched destination pages of ``pop_preallocated``."""
+        """The patched ``DecodePreallocQueue._pre_alloc`` + destination pages of ``pop_preallocated``."""
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
         from sglang.srt.disaggregation.utils import kv_to_page_indices
-        from test_runtime_hooks import _admit_prompt
+        from test_runtime_hooks import new_req
 
-        req = _admit_prompt(self.runner, n)  # req_to_token_pool.alloc, alloc_extend, req_to_token
+        req = new_req(n)
         req.rid, req.return_logprob, req.finished_reason = rid, False, None
+        DecodePreallocQueue._pre_alloc(self.prealloc_queue, req)
         locs = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :n]
-        dst_kv = kv_to_page_indices(self.runtime.physical_kv_locs(locs).numpy(), P)
+        dst_kv = kv_to_page_indices(self.runtime.pd_kv_destination_locs(locs).numpy(), P)
         dst_state = kv_to_page_indices(locs.numpy(), P)
         return req, dst_kv.tolist(), dst_state.tolist()
+
+    def admit(self, req, n: int) -> None:
+        """Direct to host: at transfer success (patched ``process_decode_queue``); else the
+        coordinator admits from GPU rows (what the first decode step's hook does)."""
+        if self.direct:
+            self.runtime.admit_transferred([req])
+        else:
+            self.coordinator.admit(req.req_pool_idx, n)
 
     def abort(self, req, reason: str) -> str:
         """decode.py's ``KVPoll.Failed`` branch: abort, then release the pre-allocated KV."""
@@ -301,13 +330,20 @@ class _Decode:
 
         mapping = self.allocator.full_to_hisparse_device_index_mapping
         locs = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :n].long()
+        if self.direct:
+            host = self.allocator.loc_to_host[locs]
+            assert bool((host >= 0).all()), (req.rid, "prompt positions without a host slot")
+            assert bool((mapping[locs] == 0).all()), (req.rid, "prompt positions with GPU rows")
         for layer in range(LAYERS):
-            got = self.pool.device_row_view(layer)[mapping[locs]].numpy()
+            if self.direct:
+                got = self.host.host_row_view(layer)[host].numpy()
+            else:
+                got = self.pool.device_row_view(layer)[mapping[locs]].numpy()
             assert np.array_equal(got, sent["kv_rows"][layer]), (req.rid, layer, "KV rows")
             pages = self.pool.index_k_with_scale_buffer[layer][dst_state].numpy()
             assert np.array_equal(pages, sent["index_pages"][layer]), (req.rid, layer, "index")
 
-    def check_offloaded(self, req, n, sent) -> dict:
+    def check_offloaded(self, req, n, sent, dst_kv) -> dict:
         import numpy as np
 
         mapping = self.allocator.full_to_hisparse_device_index_mapping
@@ -319,6 +355,9 @@ class _Decode:
         assert bool((mapping[locs[:full]] == 0).all()), (req.rid, "backed-up pages kept GPU rows")
         assert bool((loc_to_host[locs[full:]] == -1).all()), (req.rid, "tail went to the host")
         assert bool((mapping[locs[full:]] > 0).all()), (req.rid, "tail lost its GPU rows")
+        if self.direct:  # the complete pages stay in the host pages Mooncake wrote
+            pages = (host_slots[::P] // P).tolist()
+            assert pages == dst_kv[: full // P], (req.rid, "complete pages moved on the host")
         for layer in range(LAYERS):
             expect = sent["kv_rows"][layer]
             on_host = self.host.host_row_view(layer)[host_slots].numpy()
@@ -333,6 +372,7 @@ class _Decode:
 
         out = {"aborted": {}, "admitted": {}, "error": None}
         out["start_counts"] = self.allocator.free_counts()
+        physical_start = self.allocator.physical_available_size()
         reqs = []
         try:
             for i, n in enumerate(prompts):
@@ -357,6 +397,9 @@ class _Decode:
             t0 = time.monotonic()
             report, failure = _wait_done(conn, DONE_TIMEOUT_S)
             out["wait_s"] = time.monotonic() - t0
+            # Physical rows taken by pre-allocation + transfer (direct to host: none).
+            out["physical_for_transfer"] = physical_start - self.allocator.physical_available_size()
+            backups_before = self.coordinator.stats["backup_tokens"]
             sys.stderr.write(f"[decode] {name}: sender answered in {out['wait_s']:.1f}s\n")
             live = []
             for req, n, dst_kv, dst_state in reqs:
@@ -376,12 +419,19 @@ class _Decode:
                     out["aborted"][req.rid] = self.abort(req, reason)
                     continue
                 self.check_received(req, n, dst_state, sent)
-                self.coordinator.admit(req.req_pool_idx, n)
-                live.append((req, n, sent))
+                self.admit(req, n)
+                live.append((req, n, sent, dst_kv))
             self.coordinator.drain()
-            for req, n, sent in live:
-                out["admitted"][req.rid] = self.check_offloaded(req, n, sent)
-            for req, _, _ in live:  # finish
+            out["prompt_backup_tokens"] = self.coordinator.stats["backup_tokens"] - backups_before
+            # Held once admitted and backed up: sparse slots plus the GPU tail page of ragged prompts.
+            out["physical_held"] = physical_start - self.allocator.physical_available_size()
+            out["physical_expected"] = sum(
+                self.coordinator.sparse_cache.slots_for(n) + (P if n % P else 0)
+                for _, n, _, _ in live
+            )
+            for req, n, sent, dst_kv in live:
+                out["admitted"][req.rid] = self.check_offloaded(req, n, sent, dst_kv)
+            for req, _, _, _ in live:  # finish
                 release_kv_cache(req, self.tree_cache, is_insert=False)
             self.coordinator.drain()
             out["free_counts"] = self.allocator.free_counts()
@@ -395,11 +445,11 @@ class _Decode:
         return out
 
 
-def _decode_main(conn_ok, conn_die, status, lib_dir) -> None:
+def _decode_main(conn_ok, conn_die, status, lib_dir, direct) -> None:
     try:
         t0 = time.monotonic()
         _import_mooncake(lib_dir)
-        decode = _Decode()
+        decode = _Decode(direct)
         sys.stderr.write(f"[decode] set up in {time.monotonic() - t0:.1f}s\n")
         results = {
             "ok": decode.run_job(conn_ok, "ok", OK_PROMPTS, "full"),
@@ -431,13 +481,14 @@ _PRELOAD = [
     "sglang.srt.mem_cache.common",
     "sglang.srt.mem_cache.chunk_cache",
     "sglang.srt.disaggregation.utils",
+    "sglang.srt.disaggregation.decode",
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
     "test_runtime_hooks",
 ]
 
 
-@pytest.fixture(scope="module")
-def pd_run():
+def _pd_run(mode: str) -> dict:
+    """One three-process PD run with the prompt KV destination ``mode`` (see ``MODES``)."""
     lib_dir = _require_debian_libs()
     # forkserver: a fresh interpreter (never a fork of pytest) that forks each child after the imports.
     ctx = mp.get_context("forkserver")
@@ -453,7 +504,8 @@ def pd_run():
             target=_prefill_main, args=(p_die, status["prefill-die"][1], lib_dir, "p-die")
         ),
         "decode": ctx.Process(
-            target=_decode_main, args=(d_ok, d_die, status["decode"][1], lib_dir)
+            target=_decode_main,
+            args=(d_ok, d_die, status["decode"][1], lib_dir, mode == "direct_to_host"),
         ),
     }
     t0 = time.monotonic()
@@ -504,7 +556,23 @@ def pd_run():
     results["killed_after"] = killed_after
     results["exitcodes"] = {name: p.exitcode for name, p in procs.items()}
     results["elapsed_s"] = time.monotonic() - t0
+    results["mode"] = mode
     return results
+
+
+@pytest.fixture(scope="module")
+def pd_run_gpu_pages():
+    return _pd_run("gpu_pages")
+
+
+@pytest.fixture(scope="module")
+def pd_run_direct_to_host():
+    return _pd_run("direct_to_host")
+
+
+@pytest.fixture(params=MODES)
+def pd_run(request):
+    return request.getfixturevalue(f"pd_run_{request.param}")
 
 
 def _assert_clean(res):
@@ -513,7 +581,8 @@ def _assert_clean(res):
     assert res["requests_left"] == []
 
 
-def test_prompts_land_in_physical_rows_index_in_logical_pages_then_offload(pd_run):
+def test_prompts_arrive_byte_exact_then_offload(pd_run):
+    """KV in physical rows (or host pages) and index in logical pages, byte exact; then offloaded."""
     res = pd_run["ok"]
     _assert_clean(res)
     assert not res["aborted"]
@@ -522,9 +591,25 @@ def test_prompts_land_in_physical_rows_index_in_logical_pages_then_offload(pd_ru
         assert res["admitted"][f"ok-{i}"] == {"host_tokens": n // P * P, "gpu_tail": n % P}
         kv, state = res["dst"][f"ok-{i}"]
         assert len(kv) == len(state) == -(-n // P)
-    # Physical and logical page spaces really differ (the patch is not a no-op here).
+    # Physical (or host) and logical page spaces really differ (the patch is not a no-op here).
     assert any(kv != st for kv, st in res["dst"].values())
     assert pd_run["exitcodes"]["prefill-ok"] == 0 and pd_run["exitcodes"]["decode"] == 0
+
+
+def test_gpu_staging_and_backups_only_without_direct_to_host(pd_run):
+    """Direct to host: the transfer takes no physical page and no prompt page is backed up."""
+    res = pd_run["ok"]
+    _assert_clean(res)
+    pages = sum(-(-n // P) for n in OK_PROMPTS)
+    full_pages = sum(n // P for n in OK_PROMPTS)
+    if pd_run["mode"] == "direct_to_host":
+        assert res["physical_for_transfer"] == 0
+        assert res["prompt_backup_tokens"] == 0
+    else:
+        assert res["physical_for_transfer"] == pages * P
+        assert res["prompt_backup_tokens"] == full_pages * P
+    # After admission both modes hold the same GPU rows: sparse slots + the ragged tails' pages.
+    assert res["physical_held"] == res["physical_expected"] > 0
 
 
 def test_every_allocator_back_at_its_start_after_all_rounds(pd_run):

@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload import runtime
+from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadNSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
@@ -126,12 +127,15 @@ def _batch(runner, tree_cache, reqs):
     return batch
 
 
-def _admit_prompt(runner, prompt_len):
-    """What PD decode's pre-allocation does: logical + physical rows for the whole prompt."""
-    allocator = runner.token_to_kv_pool_allocator
+def new_req(prompt_len):
+    """The ``Req`` fields PD pre-allocation and ``release_kv_cache`` use, with Req's own methods."""
     req = SimpleNamespace(
         req_pool_idx=None,
         is_chunked=0,
+        origin_input_ids=list(range(prompt_len)),
+        output_ids=[],
+        prefix_indices=[],
+        logprob_start_len=-1,
         kv_committed_len=prompt_len,
         kv_allocated_len=prompt_len,
         kv_committed_freed=False,
@@ -139,8 +143,15 @@ def _admit_prompt(runner, prompt_len):
         decode_batch_idx=0,
         mamba_pool_idx=None,
     )
-    for name in ("pop_committed_kv_cache", "pop_overallocated_kv_cache"):
+    for name in ("pop_committed_kv_cache", "pop_overallocated_kv_cache", "set_extend_input_len"):
         setattr(req, name, types.MethodType(getattr(Req, name), req))
+    return req
+
+
+def _admit_prompt(runner, prompt_len):
+    """What PD decode's pre-allocation does: logical + physical rows for the whole prompt."""
+    allocator = runner.token_to_kv_pool_allocator
+    req = new_req(prompt_len)
     runner.req_to_token_pool.alloc([req])
     seq = torch.tensor([prompt_len])
     z = torch.zeros(1, dtype=torch.int64)
@@ -149,9 +160,27 @@ def _admit_prompt(runner, prompt_len):
     return req
 
 
+def pd_prealloc_through_decode_queue(runner, prompt_len):
+    """The patched ``DecodePreallocQueue._pre_alloc`` (kv offload branch) for a new request."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    queue = SimpleNamespace(
+        req_to_token_pool=runner.req_to_token_pool,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        scheduler=SimpleNamespace(
+            enable_hisparse=False, server_args=SimpleNamespace(enable_kv_offload=True)
+        ),
+    )
+    req = new_req(prompt_len)
+    DecodePreallocQueue._pre_alloc(queue, req)
+    return req
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["gpu_pages", "direct_to_host"])
 @pytest.mark.parametrize("ending", ["finish", "abort_mid_backup"])
-def test_request_life_through_the_patched_scheduler_functions(offload_server_args, ending):
-    runner = make_runner()
+def test_request_life_through_the_patched_scheduler_functions(offload_server_args, ending, direct):
+    config = {"sparse_slots_per_req": 128, "pd_direct_to_host": direct}
+    runner = make_runner(config=config)
     allocator = runner.token_to_kv_pool_allocator
     coordinator = runtime.get_coordinator()
     start = allocator.free_counts()
@@ -163,7 +192,12 @@ def test_request_life_through_the_patched_scheduler_functions(offload_server_arg
             page_size=P,
         )
     )
-    reqs = [_admit_prompt(runner, n) for n in (130, 64)]
+    if direct:
+        reqs = [pd_prealloc_through_decode_queue(runner, n) for n in (130, 64)]
+        assert allocator.physical_available_size() == start["physical"]
+        runtime.admit_transferred(reqs)  # the patched process_decode_queue, at transfer success
+    else:
+        reqs = [_admit_prompt(runner, n) for n in (130, 64)]
     steps = 1 if ending == "abort_mid_backup" else 70
     for _ in range(steps):
         batch = _batch(runner, tree_cache, reqs)
@@ -190,6 +224,38 @@ def test_request_life_through_the_patched_scheduler_functions(offload_server_arg
     assert allocator.available_size() == runner.max_total_num_tokens  # idle leak check holds
     assert not coordinator.requests
     coordinator.sparse_cache.check_invariants()
+
+
+def test_direct_to_host_destination_is_the_host_pages(offload_server_args):
+    from sglang.srt.disaggregation.utils import kv_to_page_indices
+
+    runner = make_runner(config={"sparse_slots_per_req": 128, "pd_direct_to_host": True})
+    allocator = runner.token_to_kv_pool_allocator
+    host = allocator.host_pool
+    # The registered KV buffers are the host pool's layers, one item a GPU-sized page.
+    ptrs, lens, items = runtime.pd_kv_buf_infos(runner.token_to_kv_pool)
+    assert ptrs == [host.kv_buffer[i].data_ptr() for i in range(LAYERS)]
+    assert lens == [host.size * 656] * LAYERS
+    assert items == runner.token_to_kv_pool.get_contiguous_buf_infos()[2] == [P * 656] * LAYERS
+    req = pd_prealloc_through_decode_queue(runner, 150)
+    logical = runner.req_to_token_pool.req_to_token[req.req_pool_idx, :150]
+    slots = runtime.pd_kv_destination_locs(logical)
+    assert torch.equal(slots.long(), allocator.loc_to_host[logical.long()])
+    pages = kv_to_page_indices(slots.numpy(), P)
+    assert len(pages) == 3 and bool((torch.from_numpy(slots.numpy()) % P == logical % P).all())
+    # A request that skipped admission at transfer success is refused at its first decode step.
+    with pytest.raises(RuntimeError, match="without admission"):
+        runtime.prepare_decode_step(SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([151])))
+    runtime.release_request(req.req_pool_idx)
+    allocator.free(logical.long())
+    assert allocator.host_pool.available_size() == host.size
+
+
+def test_direct_to_host_sparse_pool_must_fit_every_request():
+    config = {"sparse_slots_per_req": 128, "sparse_pool_slots": 512, "pd_direct_to_host": True}
+    with pytest.raises(KVOffloadConfigError, match="too small for pd_direct_to_host"):
+        make_runner(config=config)
+    runtime.set_coordinator(None)
 
 
 def test_flag_off_hooks_do_nothing(offload_server_args):
