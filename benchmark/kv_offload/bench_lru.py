@@ -246,11 +246,14 @@ class Bench:
         pin = self.dev.type == "cuda"
         buf = torch.empty((rows, row), dtype=torch.uint8, pin_memory=pin)
         chunk = max(1, (256 << 20) // row)
-        for i in range(0, rows, chunk):  # random content, generated on the device (fast)
-            n = min(chunk, rows - i)
-            buf[i : i + n].copy_(
-                torch.randint(0, 256, (n, row), dtype=torch.uint8, device=self.dev)
-            )
+        # Random content generated on the device (fast). With --host-layers N the buffer holds N
+        # identical regions (one per layer) so every region serves the same rows.
+        region = rows // self.a.host_layers
+        for i in range(0, region, chunk):
+            n = min(chunk, region - i)
+            part = torch.randint(0, 256, (n, row), dtype=torch.uint8, device=self.dev)
+            for j in range(self.a.host_layers):
+                buf[j * region + i : j * region + i + n].copy_(part)
         self.clock.sync()
         print(
             f"[host] {rows * row / 1e9:.1f} GB {'pinned' if pin else ''} buffer for {row} B rows "
@@ -304,9 +307,11 @@ class Bench:
     ) -> Dict:
         a, dev, clock = self.a, self.dev, self.clock
         K, S = a.topk, a.buffer
-        host = self.host_buffer(row, bs * ctx)[: bs * ctx]
+        layers = a.host_layers
+        host_all = self.host_buffer(row, bs * ctx * layers)[: bs * ctx * layers]
+        host = host_all[: bs * ctx]  # region 0 (every region holds the same rows)
         word = 8 if row % 8 == 0 else 4
-        host_w = host.view(torch.int64 if word == 8 else torch.int32)
+        host_w = host_all.view(torch.int64 if word == 8 else torch.int32)
         dev_rows = bs * (S + 64) + 64
         devbuf = torch.zeros((dev_rows, row), dtype=torch.uint8, device=dev)
         dev_w = devbuf.view(host_w.dtype)
@@ -316,6 +321,8 @@ class Bench:
         base = (torch.arange(bs, dtype=torch.int32, device=dev) * ctx)[:, None]
         locs = [t + base for t in traces]  # logical loc = r * ctx + position (req_to_token)
         l2h = torch.arange(bs * ctx, dtype=torch.int64, device=dev)
+        # Step i reads layer (i % host_layers)'s region: the host footprint of a multi-layer pool.
+        l2h_steps = [l2h + (i % layers) * bs * ctx for i in range(len(locs))]
         l2t = torch.full((bs * ctx,), -1, dtype=torch.int32, device=dev)
         ws = self.lru.PlanWorkspace(bs, K, S, dev)
         self._full_count = torch.tensor([bs * K], dtype=torch.int32, device=dev)
@@ -341,7 +348,7 @@ class Bench:
             for i, lt in enumerate(locs):
                 e0 = clock.start()
                 res = self.lru.plan_layer(
-                    lt, rpi, nr, l2h, l2t, st, ws, num_warps=num_warps, compact=compact
+                    lt, rpi, nr, l2h_steps[i], l2t, st, ws, num_warps=num_warps, compact=compact
                 )
                 e1 = clock.mark()
                 if with_copy:
@@ -375,7 +382,19 @@ class Bench:
         if dev.type == "cuda" and not a.no_graph:
             r.update(
                 self._graph_pass(
-                    bs, ctx, S, locs, rpi, nr, l2h, l2t, host, host_w, devbuf, dev_w, num_warps
+                    bs,
+                    ctx,
+                    S,
+                    locs,
+                    rpi,
+                    nr,
+                    l2h_steps,
+                    l2t,
+                    host,
+                    host_w,
+                    devbuf,
+                    dev_w,
+                    num_warps,
                 )
             )
 
@@ -395,7 +414,7 @@ class Bench:
             r["frac_memcpy_bw"] = r["ours_GBps"] / r["memcpy_GBps"]
 
         if self.community is not None:
-            r.update(self._community_pass(bs, ctx, S, K, row, traces, host))
+            r.update(self._community_pass(bs, ctx, S, K, row, traces, host, host_all))
             if r.get("community_ms"):
                 r["speedup_vs_community"] = r["community_ms"] / r["ours_ms"]
                 if "ours_graph_ms" in r:
@@ -417,10 +436,11 @@ class Bench:
         return True
 
     def _graph_pass(
-        self, bs, ctx, S, locs, rpi, nr, l2h, l2t, host, host_w, devbuf, dev_w, num_warps
+        self, bs, ctx, S, locs, rpi, nr, l2h_steps, l2t, host, host_w, devbuf, dev_w, num_warps
     ) -> Dict:
         a, clock = self.a, self.clock
         K = a.topk
+        l2h = l2h_steps[0].clone()  # static graph input, refilled per step
         st = self._state(bs, ctx, S)
         ws = self.lru.PlanWorkspace(bs, K, S, self.dev)
         static = locs[0].clone()
@@ -440,6 +460,7 @@ class Bench:
         ts = []
         for i, lt in enumerate(locs):
             static.copy_(lt)
+            l2h.copy_(l2h_steps[i])
             e0 = clock.start()
             g.replay()
             e1 = clock.mark()
@@ -448,13 +469,14 @@ class Bench:
         out = ws.out_indices[:bs]
         return {
             "ours_graph_ms": _median(ts),
-            "correct_ours_graph": self._check(devbuf, host, out, locs[-1], l2h),
+            "correct_ours_graph": self._check(devbuf, host, out, locs[-1], l2h_steps[0]),
         }
 
-    def _community_pass(self, bs, ctx, S, K, row, traces, host) -> Dict:
+    def _community_pass(self, bs, ctx, S, K, row, traces, host, host_all) -> Dict:
         a, dev, clock = self.a, self.dev, self.clock
         R = bs
-        hc = host.view(R * ctx, 1, row)
+        hc = host_all.view(-1, 1, row)
+        region = R * ctx
         devbuf = torch.zeros((R * (S + 64) + 64, 1, row), dtype=torch.uint8, device=dev)
         host_locs = torch.arange(R * ctx, device=dev, dtype=torch.int64).view(R, ctx)
         locs = (torch.arange(R * (S + 64), dtype=torch.int32, device=dev) + 64).view(R, S + 64)
@@ -464,6 +486,7 @@ class Bench:
         seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
         n = torch.tensor([bs], dtype=torch.int32, device=dev)
         out = torch.full((bs, K), -1, dtype=torch.int32, device=dev)
+        host_locs_steps = [host_locs + (i % a.host_layers) * region for i in range(len(traces))]
         ts, misses = [], []
         try:
             for i, tk in enumerate(traces):
@@ -477,7 +500,7 @@ class Bench:
                 self.community(
                     top_k_tokens=tk,
                     device_buffer_tokens=toks,
-                    host_cache_locs=host_locs,
+                    host_cache_locs=host_locs_steps[i],
                     device_buffer_locs=locs,
                     host_cache=hc,
                     device_buffer=devbuf,
@@ -617,6 +640,13 @@ def main() -> None:
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-rowpacked", dest="rowpacked", action="store_false")
     p.add_argument("--max-host-gb", type=float, default=60.0)
+    p.add_argument(
+        "--host-layers",
+        type=int,
+        default=1,
+        help="host regions (one per layer) the steps rotate through: the host footprint of a "
+        "multi-layer pool (61 layers of bs 128 x 32K x 656 B = 168 GB); 1 = one layer",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--spin-cycles",
@@ -648,7 +678,7 @@ def main() -> None:
     for row in a.rows:
         for bs in a.bs:
             for ctx in a.ctx:
-                gb = bs * ctx * row / 1e9
+                gb = bs * ctx * row * a.host_layers / 1e9
                 if gb > a.max_host_gb:
                     skipped.append(dict(bs=bs, ctx=ctx, row_bytes=row, host_gb=gb))
                     continue
