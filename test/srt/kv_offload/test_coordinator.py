@@ -260,11 +260,24 @@ def _seeded_draw(seed):
     return draw
 
 
-def test_admit_from_host_then_decode_across_page_boundaries():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_admit_from_host_then_decode_across_page_boundaries(device):
     """Prompts already in host pages: no physical row until admission, no backup of the prompt,
     the partial last page becomes the GPU tail, and once decode completes that page its host copy
     holds all 64 rows (prompt rows from the host, decode rows from the GPU)."""
-    h = Harness(physical_pages=24, logical_pages=40, buffer_slots=64)
+    h = Harness(physical_pages=24, logical_pages=40, buffer_slots=64, device=device)
     lengths = (1, 63, 64, 65, 130)
     physical = h.alloc.physical_available_size()
     host = h.host.available_size()

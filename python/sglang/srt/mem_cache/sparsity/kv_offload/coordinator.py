@@ -164,7 +164,7 @@ class KVOffloadCoordinator:
                 )
             tail_locs = locs[full:]
             tail_rows = physical[: n - full]
-            page_locs = tail_locs[0] + self.allocator._page_offsets
+            page_locs = tail_locs[0] + torch.arange(page, device=tail_locs.device)
             host_page = host[full] + torch.arange(page, dtype=torch.int64)
             self.allocator.full_to_hisparse_device_index_mapping[tail_locs] = tail_rows
             self.controller.load_rows(host_page[: n - full], tail_rows)
