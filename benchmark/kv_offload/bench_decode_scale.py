@@ -396,6 +396,73 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     return out
 
 
+def plot(res: Dict[str, Any], path: str) -> None:
+    """Memory per request, concurrency in the budget, offload time per layer (one figure)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[skip] matplotlib not importable: no plot")
+        return
+    mem, tim = res.get("memory", []), res.get("timing", [])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels = [f"bs {m['bs']}\n{m['ctx'] // 1024}K" for m in mem]
+    x = list(range(len(mem)))
+    w = 0.38
+    ax = axes[0]
+    ax.bar([i - w / 2 for i in x], [m["full_per_req"] / GB for m in mem], w, label="all on GPU")
+    ax.bar([i + w / 2 for i in x], [m["offload_per_req"] / GB for m in mem], w, label="kv_offload")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("GPU GB per request (61 layers)")
+    ax.set_title("GPU memory per request")
+    ax.legend()
+    ax = axes[1]
+    budget = res["args_memory"]["budget_gb"] if "args_memory" in res else res["args"]["budget_gb"]
+    ax.bar([i - w / 2 for i in x], [m["max_bs_full"] for m in mem], w, label="all on GPU")
+    ax.bar(
+        [i + w / 2 for i in x],
+        [m["max_bs_offload_staged"] for m in mem],
+        w,
+        label="kv_offload (one prompt staged)",
+    )
+    for i, m in enumerate(mem):
+        ax.text(
+            i + w / 2,
+            m["max_bs_offload_staged"],
+            f"{m['concurrency_gain_staged']:.1f}x",
+            ha="center",
+            va="bottom",
+        )
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("requests")
+    ax.set_title(f"Largest batch in a {budget:.0f} GB GPU KV budget")
+    ax.legend()
+    ax = axes[2]
+    tl = [f"bs {t['bs']}\n{t['ctx'] // 1024}K" for t in tim]
+    tx = list(range(len(tim)))
+    ax.bar(
+        [i - w / 2 for i in tx],
+        [t["offload_ms_per_layer"] for t in tim],
+        w,
+        label="offload (swap-in) per layer",
+    )
+    ax.bar(
+        [i + w / 2 for i in tx],
+        [t["attention_side_ms_per_layer"] for t in tim],
+        w,
+        label="attention-side compute (torch ops)",
+    )
+    ax.set_xticks(tx, tl)
+    ax.set_ylabel("ms per layer")
+    ax.set_title("Offload time per layer (10 % churn, 61-layer host pool)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[plot] {path}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -417,10 +484,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graph for the layer loop")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--plot-only", metavar="JSON", help="only draw the plot of a results file")
     p.add_argument(
         "--out", default=os.path.join(os.environ.get("OUT", "."), "bench_decode_scale.json")
     )
     a = p.parse_args(argv)
+    if a.plot_only:
+        plot(json.load(open(a.plot_only)), os.path.splitext(a.plot_only)[0] + ".png")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ne.prepare_environment("cuda")
     points = [tuple(int(v) for v in s.split("x")) for s in a.points]
@@ -441,6 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(res, open(a.out, "w"), indent=1)
     res["wall_s"] = time.time() - t0
     json.dump(res, open(a.out, "w"), indent=1)
+    plot(res, os.path.splitext(a.out)[0] + ".png")
     return 0
 
 
