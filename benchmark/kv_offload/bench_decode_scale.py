@@ -220,18 +220,9 @@ def _attention_side_ms(bs: int, ctx: int, a, kv_rows: torch.Tensor) -> float:
         p = torch.softmax(torch.einsum("bhc,bkc->bhk", q, kv).float() * ne.LATENT**-0.5, -1)
         torch.einsum("bhk,bkc->bhc", p.to(torch.bfloat16), kv[..., : ne.KV_LORA])
 
-    for _ in range(2):
-        layer()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        layer()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    from probe_uva_gather import bench  # the same event-timed median loop
+
+    return bench(layer, iters=5)
 
 
 def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
@@ -391,7 +382,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
         out["exact"],
         out["leak_free"],
     )
-    del st, traces
+    st = traces = None  # free the pools before the next point
     torch.cuda.empty_cache()
     return out
 

@@ -244,7 +244,14 @@ class Bench:
             torch._C._host_emptyCache()  # give the pinned pages back before pinning more
         t0 = time.time()
         pin = self.dev.type == "cuda"
-        buf = torch.empty((rows, row), dtype=torch.uint8, pin_memory=pin)
+        if pin and self.a.host_layers > 1:
+            # One cudaHostAlloc of ~80 GB fails; pin as the host pool does (cudaHostRegister).
+            buf = torch.empty((rows, row), dtype=torch.uint8)
+            rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {buf.nbytes / 1e9:.1f} GB failed: {rc}")
+        else:
+            buf = torch.empty((rows, row), dtype=torch.uint8, pin_memory=pin)
         chunk = max(1, (256 << 20) // row)
         # Random content generated on the device (fast). With --host-layers N the buffer holds N
         # identical regions (one per layer) so every region serves the same rows.

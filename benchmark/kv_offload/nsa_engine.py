@@ -1117,7 +1117,7 @@ def config_from_args(args: argparse.Namespace) -> Tuple[EngineConfig, int, int]:
         steps, reqs = args.steps or 400, args.requests or 12
     else:
         cfg = EngineConfig.cpu(**over)
-        steps, reqs = args.steps or 200, args.requests or 7
+        steps, reqs = args.steps or 240, args.requests or 9
     return cfg, steps, reqs
 
 

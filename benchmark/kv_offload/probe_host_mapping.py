@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,30 +30,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "kvo_transfer", ROOT / "python/sglang/srt/mem_cache/sparsity/kv_offload/transfer.py"
-)
-transfer = importlib.util.module_from_spec(spec)
-sys.modules["kvo_transfer"] = transfer
-spec.loader.exec_module(transfer)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_uva_gather import bench, transfer  # noqa: E402  (same loader and timing loop)
 
 ROW = 656
-
-
-def bench(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------ driver VMM
@@ -313,7 +291,7 @@ def probe_row_sizes(args, dev, res: Dict) -> None:
             f"{lines:.2f} lines/row, {pt['line_GBps']:.1f} GB/s of 64 B lines",
             flush=True,
         )
-        del host, flat_h
+        host = flat_h = None  # unpin before the next row size
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -99,6 +99,18 @@ def test_build_replaces_the_pool_and_resplits_the_budget():
     runtime.set_coordinator(None)
 
 
+def chunk_cache(runner) -> ChunkCache:
+    """The tree cache of a PD decode server (radix cache disabled)."""
+    return ChunkCache(
+        CacheInitParams(
+            disable=True,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            page_size=P,
+        )
+    )
+
+
 def _batch(runner, tree_cache, reqs):
     """A decode ScheduleBatch's fields, as prepare_for_decode reads them."""
     rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -184,14 +196,7 @@ def test_request_life_through_the_patched_scheduler_functions(offload_server_arg
     allocator = runner.token_to_kv_pool_allocator
     coordinator = runtime.get_coordinator()
     start = allocator.free_counts()
-    tree_cache = ChunkCache(
-        CacheInitParams(
-            disable=True,
-            req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=P,
-        )
-    )
+    tree_cache = chunk_cache(runner)
     if direct:
         reqs = [pd_prealloc_through_decode_queue(runner, n) for n in (130, 64)]
         assert allocator.physical_available_size() == start["physical"]
@@ -287,3 +292,15 @@ def test_pd_destination_pages_are_the_physical_pages(offload_server_args):
         flat[page * P : page * P + chunk.shape[0]] = chunk
     mapping = runner.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping
     assert torch.equal(flat[mapping[logical.long()]], rows)
+
+
+@pytest.mark.parametrize("programs", [0, 4])
+def test_h2d_programs_per_req_picks_the_load_shape(programs):
+    runner = make_runner(config={"sparse_slots_per_req": 128, "h2d_programs_per_req": programs})
+    coordinator = runtime.get_coordinator()
+    # 0: one strided pass over a compact miss list; n > 0: n programs per request.
+    assert coordinator.grouped_loads is (programs > 0)
+    if programs:
+        assert coordinator.controller.group_load_config.num_programs == programs
+    runtime.set_coordinator(None)
+    del runner

@@ -41,8 +41,10 @@ class KVOffloadConfig:
         host_pool_size_gb: pinned host pool size in GB; 0 means use ``host_pool_ratio``.
         host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
-        h2d_programs_per_req: programs per request of the per-layer H2D gather (its grid is
-            ``(batch, h2d_programs_per_req)``); 0 uses the default measured on the H200 (2).
+        h2d_programs_per_req: 0 (default): the per-layer H2D gather is one strided pass over a
+            compact miss list, the faster shape with a real multi-layer host pool on the H200;
+            N > 0: a grid of ``(batch, N)`` programs, N per request (faster only while the host
+            pool is small enough for warm address translation).
         backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
             bounds how long one backup occupies the copy path.
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
@@ -133,7 +135,7 @@ class KVOffloadConfig:
         )
         _require(
             self.h2d_programs_per_req >= 0,
-            f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0 uses the default)",
+            f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0: one strided pass)",
         )
         _require(
             self.backup_chunk_tokens > 0 and self.backup_chunk_tokens % PAGE_SIZE == 0,

@@ -60,7 +60,16 @@ class KVOffloadCoordinator:
         max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace.
         pd_direct_to_host: PD prompts arrive in host pages (:meth:`admit_from_host`), not GPU rows.
         grouped_loads: load each request's misses with its own programs (row-packed miss list and
-            ``copy_rows_grouped``; faster on the H200) instead of one strided pass over a compact list.
+            ``copy_rows_grouped``) instead of one strided pass over a compact list (the default).
+            Grouped is faster when the host pool is small enough for warm address translation
+            (one 2.8 GB layer: 0.40 vs 0.54 ms at bs 128); with a real multi-layer pool (82 GB)
+            the strided pass is faster (0.57 vs 0.70 ms; HiSparse 0.67). See docs/kv_offload.md.
+
+    Admission control: every live request (pre-allocated for a PD transfer, or admitted) is promised
+    the physical rows it may come to hold, its sparse slots for its final context plus two tail pages
+    (:meth:`reserve`). New prompts may only stage into rows nobody is promised
+    (:meth:`unreserved_physical_rows`), so a request admitted by the scheduler always finds its
+    slots; the physical pool is sized for ``max_running_requests`` such promises plus one prompt.
     """
 
     def __init__(
@@ -70,7 +79,7 @@ class KVOffloadCoordinator:
         controller,
         sparse_cache: SparseCacheState,
         max_bs: int,
-        grouped_loads: bool = True,
+        grouped_loads: bool = False,
         pd_direct_to_host: bool = False,
     ) -> None:
         self.req_to_token = req_to_token
@@ -88,13 +97,42 @@ class KVOffloadCoordinator:
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
         self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
+        self.reservations: Dict[int, int] = {}  # req_pool_idx -> physical rows promised
         self.stats = {
             "admitted": 0,
             "admitted_from_host": 0,
             "released": 0,
             "backup_tokens": 0,
             "deferred_backups": 0,
+            "forced_backups": 0,
         }
+
+    # ------------------------------------------------------------------ admission control
+    def rows_promised(self, final_len: Optional[int] = None) -> int:
+        """Physical rows a request may hold: slots for ``final_len`` (default: the most) + 2 pages."""
+        if final_len is None:
+            slots = self.sparse_cache.max_slots
+        else:
+            slots = self.sparse_cache.slots_for(max(1, int(final_len)))
+        return slots + 2 * self.page_size
+
+    def unreserved_physical_rows(self) -> int:
+        """Free physical rows minus what live requests are promised and do not hold as slots yet.
+
+        Conservative: tail rows a request holds are not subtracted from its promise.
+        """
+        held = self.sparse_cache.num_slots_cpu
+        owed = sum(max(0, rows - int(held[r])) for r, rows in self.reservations.items())
+        return self.allocator.physical_available_size() - owed
+
+    def can_reserve(self, staging_rows: int, final_len: Optional[int] = None) -> bool:
+        """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
+        its rows without touching rows promised to live requests."""
+        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised(final_len)
+
+    def reserve(self, req_pool_idx: int, final_len: Optional[int] = None) -> None:
+        """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""
+        self.reservations[int(req_pool_idx)] = self.rows_promised(final_len)
 
     # ------------------------------------------------------------------ scheduler side
     def admit(self, req_pool_idx: int, seq_len: int, written_len: Optional[int] = None) -> None:
@@ -112,6 +150,7 @@ class KVOffloadCoordinator:
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
         )
         self.requests[r] = req
+        self.reservations.setdefault(r, self.rows_promised())
         self.stats["admitted"] += 1
         self._grant_slots(req)
         self._start_backups([req])
@@ -174,6 +213,7 @@ class KVOffloadCoordinator:
             req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True
         )
         self.requests[r] = req
+        self.reservations.setdefault(r, self.rows_promised())
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
 
@@ -209,6 +249,7 @@ class KVOffloadCoordinator:
         through the allocator, their physical rows and host slots; without it the caller frees them
         (upstream's ``release_kv_cache`` path does, through the same allocator).
         """
+        self.reservations.pop(int(req_pool_idx), None)
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
             return False
@@ -247,6 +288,7 @@ class KVOffloadCoordinator:
         the indexer's tensor is never written (the next layer may reuse it). Graph safe.
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
+        grouped = self.grouped_loads
         if topk_are_positions:
             topk = topk_positions_to_locs(
                 topk_indices,
@@ -265,9 +307,9 @@ class KVOffloadCoordinator:
             self.allocator.full_to_hisparse_device_index_mapping,
             self.sparse_cache.layer(layer_id),
             self.workspace,
-            compact=not self.grouped_loads,
+            compact=not grouped,
         )
-        if self.grouped_loads:
+        if grouped:
             self.controller.load_one_layer(
                 layer_id, plan.miss_host, plan.miss_dst, group_counts=plan.num_misses
             )
@@ -279,12 +321,45 @@ class KVOffloadCoordinator:
 
     # ------------------------------------------------------------------ helpers
     def _grant_slots(self, req: OffloadedRequest) -> None:
-        if not req.has_slots:
-            req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
-            if not req.has_slots:
-                logger.debug("kv_offload: no sparse slots for req %d yet", req.req_pool_idx)
-        else:
+        if req.has_slots:
             self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
+            return
+        req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
+        if not req.has_slots and not self._slots_from_own_tail(req):
+            logger.debug("kv_offload: no sparse slots for req %d yet", req.req_pool_idx)
+
+    def _slots_from_own_tail(self, req: OffloadedRequest) -> bool:
+        """Last resort when the pool has no slots for ``req``: back up its own complete pages now
+        (blocking) so that their rows pay for its slots.
+
+        A request without slots keeps its whole context in tail rows (backups need slots: the plan
+        must be able to place misses), so a request whose own prompt fills the pool would otherwise
+        wait for ever. Done only when its rows are enough, so it never ends up with neither.
+        """
+        r = req.req_pool_idx
+        end = req.written_len // self.page_size * self.page_size
+        own = end - req.backed_up_end
+        need = self.sparse_cache.slots_for(req.seq_len)
+        if own <= 0 or self.allocator.physical_available_size() + own < need:
+            return False
+        locs = self.req_to_token[r, req.backed_up_end : end].to(torch.int64)
+        if self.controller.backup_batch([(r, locs, req.backed_up_end, end)]) is None:
+            return False  # the host pool is full: stay in tail rows
+        self.stats["backup_tokens"] += end - req.backed_up_end
+        self.stats["forced_backups"] += 1
+        req.backed_up_end = end
+        self.controller.drain()  # completes every backup, this one included: its pages are freed
+        req.has_slots = self.sparse_cache.admit(r, req.seq_len)
+        logger.warning(
+            "kv_offload: physical pool full; req %d backed up %d own rows synchronously to take "
+            "its %d sparse slots (granted: %s). Raise sparse_pool_slots or lower "
+            "--max-running-requests if this repeats",
+            r,
+            own,
+            need,
+            req.has_slots,
+        )
+        return req.has_slots
 
     def _start_backups(self, reqs: Iterable[OffloadedRequest]) -> None:
         items: List[Tuple[int, torch.Tensor, int, int]] = []

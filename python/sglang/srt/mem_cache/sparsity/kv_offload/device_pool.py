@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -352,6 +352,57 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.loc_to_host[logical] = host.to(self.loc_to_host.device)
         return logical[:num_tokens]
 
+    # ------------------------------------------------------------------ retraction (PD decode)
+    def get_cpu_copy(self, indices: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """What ``Req.offload_kv_cache`` saves when PD decode retracts a request (before its locs
+        are freed): per layer, the KV rows ``(n, row_bytes)`` and the index-key rows ``(n, 132)``
+        of the logical locs ``indices``, on the CPU.
+
+        A row still behind a physical loc (the GPU tail, or a page whose backup has not completed)
+        is read from the GPU, every other row from its host slot. Upstream's NSA pool saves the KV
+        rows only; the index keys are saved too so the resumed request's indexer sees its context.
+        """
+        kv = self._kvcache
+        locs = indices.to(self.device, torch.int64)
+        physical = self.full_to_hisparse_device_index_mapping[locs]
+        host = self.loc_to_host[locs]
+        on_gpu = physical > 0
+        missing = ~on_gpu & (host < 0)
+        if bool(missing.any()):
+            raise RuntimeError(
+                f"kv_offload: {int(missing.sum())} of {locs.numel()} locs of a retracted request "
+                "have neither a GPU row nor a host slot; their KV is lost (was the request "
+                "released before Req.offload_kv_cache?)"
+            )
+        on_gpu_cpu, host_cpu = on_gpu.cpu(), host.cpu()
+        out = []
+        for i in range(kv.layer_num):
+            layer_id = kv.start_layer + i
+            rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8)
+            rows[on_gpu_cpu] = kv.device_row_view(layer_id)[physical[on_gpu]].cpu()
+            rows[~on_gpu_cpu] = self.host_pool.host_row_view(layer_id)[host_cpu[~on_gpu_cpu]]
+            out.append((rows, _index_rows(kv.index_k_with_scale_buffer[i], locs, kv).cpu()))
+        return out
+
+    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
+        """``Req.load_kv_cache`` when a retracted request resumes: write what
+        :meth:`get_cpu_copy` saved into the new logical locs ``indices``, KV rows into their
+        physical rows (``alloc_extend`` gave every loc one) and index keys into the index buffer."""
+        kv = self._kvcache
+        locs = indices.to(self.device, torch.int64)
+        physical = self.full_to_hisparse_device_index_mapping[locs]
+        if len(kv_cache_cpu) != kv.layer_num or bool((physical <= 0).any()):
+            raise RuntimeError(
+                "kv_offload: a resumed request's KV must be restored into GPU rows of the same "
+                f"layers ({kv.layer_num}); got {len(kv_cache_cpu)} layers and "
+                f"{int((physical <= 0).sum())} locs without a physical row"
+            )
+        for i, (rows, index_rows) in enumerate(kv_cache_cpu):
+            if rows.shape[0] != locs.numel():
+                raise ValueError(f"{rows.shape[0]} saved rows for {locs.numel()} locs")
+            kv.device_row_view(kv.start_layer + i)[physical] = rows.to(self.device)
+            _set_index_rows(kv.index_k_with_scale_buffer[i], locs, index_rows.to(self.device), kv)
+
     # ------------------------------------------------------------------ host bookkeeping
     def set_host_locs(self, logical_locs: torch.Tensor, host_slots: torch.Tensor) -> None:
         self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)
@@ -396,3 +447,24 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         super().clear()
         if self.loc_to_host is not None:
             self.loc_to_host.fill_(-1)
+
+
+def _index_byte_offsets(locs: torch.Tensor, pool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(page, byte offsets in the page) of each loc's index key and scale in the paged layout of
+    ``NSATokenToKVPool.index_k_with_scale_buffer``: keys at ``off * D``, scales at
+    ``page_size * D + off * 4``."""
+    page, off = locs // pool.page_size, (locs % pool.page_size)[:, None]
+    dim = pool.index_head_dim
+    key = off * dim + torch.arange(dim, device=locs.device)
+    scale = pool.page_size * dim + off * 4 + torch.arange(4, device=locs.device)
+    return page[:, None], torch.cat([key, scale], dim=1)
+
+
+def _index_rows(buf: torch.Tensor, locs: torch.Tensor, pool) -> torch.Tensor:
+    page, cols = _index_byte_offsets(locs, pool)
+    return buf[page, cols]
+
+
+def _set_index_rows(buf: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor, pool) -> None:
+    page, cols = _index_byte_offsets(locs, pool)
+    buf[page, cols] = rows

@@ -140,6 +140,7 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
         controller,
         sparse,
         max_bs=max_bs,
+        grouped_loads=config.h2d_programs_per_req > 0,
         pd_direct_to_host=config.pd_direct_to_host,
     )
     runner.token_to_kv_pool = pool
@@ -177,9 +178,11 @@ def prepare_decode_step(batch) -> None:
         return
     req_pool_indices = [req.req_pool_idx for req in batch.reqs]
     seq_lens = batch.seq_lens_cpu.tolist()
+    mapping = coordinator.allocator.full_to_hisparse_device_index_mapping
     for r, n in zip(req_pool_indices, seq_lens):
         if r not in coordinator.requests:
-            if coordinator.pd_direct_to_host:
+            # A resumed (retracted) request is restored into GPU rows in both PD modes.
+            if coordinator.pd_direct_to_host and int(mapping[coordinator.req_to_token[r, 0]]) <= 0:
                 raise RuntimeError(
                     f"kv offload: req_pool_idx {r} reached a decode step without admission; with "
                     "pd_direct_to_host every request is admitted when its transfer completes "
@@ -231,17 +234,60 @@ def pd_kv_buf_infos(device_pool) -> Tuple[List[int], List[int], List[int]]:
     return device_pool.get_contiguous_buf_infos()
 
 
-def pd_prealloc(fill_len: int) -> Optional[torch.Tensor]:
-    """``DecodePreallocQueue._pre_alloc`` hook: logical locs for a new request's ``fill_len`` tokens.
+def _stages_on_gpu(coordinator, req) -> bool:
+    """Whether ``req``'s KV arrives in GPU rows: always, except a fresh direct-to-host transfer.
 
-    Default: upstream's ``alloc_extend`` (a physical row behind every logical loc). With
-    ``pd_direct_to_host``: logical locs and host pages only (``alloc_extend_to_host``).
-    Returns ``None`` when the pools are short, as ``alloc_extend`` does.
+    A retracted request being resumed (it has output tokens) is restored by ``load_kv_cache`` into
+    GPU rows and admitted like a staged prompt, in both modes.
+    """
+    return not coordinator.pd_direct_to_host or len(req.output_ids) > 0
+
+
+def pd_available_tokens() -> int:
+    """``DecodePreallocQueue._allocatable_tokens`` hook: the tokens new PD requests may take.
+
+    An offloaded request holds index keys (logical locs) and host slots for its whole context, and
+    only a bounded number of GPU KV rows; those are checked per request by :func:`pd_can_admit`.
+    """
+    allocator = _require_coordinator().allocator
+    return min(allocator.logical_available_size(), allocator.host_pool.available_size())
+
+
+def pd_can_admit(req) -> bool:
+    """``pop_preallocated`` / ``resume_retracted_reqs`` hook, before ``_pre_alloc``.
+
+    True when the physical pool can take the request's prompt staging (none for a direct-to-host
+    transfer) and promise it its sparse slots and tail pages, without rows promised to requests
+    already pre-allocated or running. False makes the queue wait (FIFO), as a short token budget
+    does.
+    """
+    coordinator = _require_coordinator()
+    fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+    page = coordinator.page_size
+    staging = -(-fill_len // page) * page if _stages_on_gpu(coordinator, req) else 0
+    return coordinator.can_reserve(staging)
+
+
+def pd_prealloc(req, fill_len: int) -> Optional[torch.Tensor]:
+    """``DecodePreallocQueue._pre_alloc`` hook: logical locs for ``req``'s ``fill_len`` tokens.
+
+    Default (and every resumed request): upstream's ``alloc_extend`` (a physical row behind every
+    logical loc). A fresh transfer with ``pd_direct_to_host``: logical locs and host pages only
+    (``alloc_extend_to_host``). The request is promised its physical rows (``reserve``) until it
+    is released. Returns ``None`` when the pools are short, as ``alloc_extend`` does.
     """
     coordinator = _require_coordinator()
     allocator = coordinator.allocator
-    if coordinator.pd_direct_to_host:
-        return allocator.alloc_extend_to_host(fill_len)
+    if not _stages_on_gpu(coordinator, req):
+        locs = allocator.alloc_extend_to_host(fill_len)
+    else:
+        locs = _alloc_extend(allocator, fill_len)
+    if locs is not None:
+        coordinator.reserve(req.req_pool_idx)
+    return locs
+
+
+def _alloc_extend(allocator, fill_len: int) -> Optional[torch.Tensor]:
     device = allocator.device
     return allocator.alloc_extend(
         prefix_lens=torch.tensor([0], dtype=torch.int64, device=device),
