@@ -249,21 +249,89 @@ def test_queue_waits_for_rows_promised_to_others(offload_server_args, direct):  
     assert allocator.free_counts() == start and not coordinator.reservations
 
 
-def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it():
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+def _draw_topk(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return lambda seq_len: torch.randperm(seq_len, generator=gen)[:16].tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(device):
     # 5 physical pages; a 250-token prompt stages in 4, leaving 64 rows for its 128 slots.
-    h = Harness(physical_pages=5, buffer_slots=128, max_reqs=2)
+    h = Harness(physical_pages=5, buffer_slots=128, max_reqs=2, device=device)
     assert h.admit(250)
     (r,) = h.kv
     assert h.coord.requests[r].has_slots, "slots taken from its own backed-up pages"
     assert h.coord.stats["forced_backups"] == 1
     locs = h.r2t.req_to_token[r, :192].long()
     assert bool((h.alloc.loc_to_host[locs] >= 0).all())
-    gen = torch.Generator().manual_seed(3)
-
-    def draw(seq_len):
-        return torch.randperm(seq_len, generator=gen)[:16].tolist()
-
+    draw = _draw_topk()
     for _ in range(70):  # across a page boundary: the tail page is backed up and freed normally
         h.step([r], draw)
         h.coord.poll()
+    h.finish_all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_retraction_copy_round_trip(device):
+    """get_cpu_copy reads GPU tail rows and host rows (pinned on CUDA) alike; load_cpu_copy puts
+    them, and the index keys, into fresh GPU rows that then decode like a staged prompt."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import _index_rows, _set_index_rows
+
+    h = Harness(physical_pages=12, buffer_slots=64, max_reqs=3, device=device)
+    assert h.admit(150)
+    (r,) = h.kv
+    pool, alloc = h.pool, h.alloc
+    n0 = 150
+    locs = h.r2t.req_to_token[r, :n0].long()
+    index = [
+        torch.randint(0, 256, (n0, INDEX_ROW), dtype=torch.uint8).to(device) for _ in range(LAYERS)
+    ]
+    for layer in range(LAYERS):
+        _set_index_rows(pool.index_k_with_scale_buffer[layer], locs, index[layer], pool)
+    draw = _draw_topk()
+    for _ in range(20):
+        h.step([r], draw)
+    h.coord.drain()
+    n = h.seq_len(r)
+    locs = h.r2t.req_to_token[r, :n].long()
+    on_host = alloc.loc_to_host[locs] >= 0
+    assert bool(on_host[:128].all()) and not bool(on_host[-10:].any()), "host and GPU rows mixed"
+    saved = alloc.get_cpu_copy(locs)
+    for layer in range(LAYERS):
+        assert torch.equal(saved[layer][0], h.kv[r][layer].cpu())
+        assert torch.equal(saved[layer][1][:n0], index[layer].cpu())
+    truth = [h.kv[r][layer] for layer in range(LAYERS)]
+    h.retire(r)
+    h.coord.drain()
+    assert alloc.free_counts() == h.start
+    # Resume into fresh locs with physical rows (what pd_prealloc does for a resumed request).
+    seq = torch.tensor([n])
+    z = torch.zeros(1, dtype=torch.int64)
+    new = alloc.alloc_extend(
+        z.to(device), z, seq.to(device), seq, torch.full((1,), -1, device=device), n
+    )
+    alloc.load_cpu_copy(saved, new)
+    phys = alloc.full_to_hisparse_device_index_mapping[new]
+    for layer in range(LAYERS):
+        assert torch.equal(pool.device_row_view(layer)[phys], truth[layer])
+        got = _index_rows(pool.index_k_with_scale_buffer[layer], new, pool)
+        assert torch.equal(got[:n0], index[layer])
+    r2 = h.free_reqs.pop()
+    h.r2t.req_to_token[r2, :n] = new.to(torch.int32)
+    h.kv[r2] = truth
+    h.coord.admit(r2, n)
+    for _ in range(5):
+        h.step([r2], draw)
     h.finish_all()
