@@ -203,3 +203,32 @@ def test_launch_server_help_lists_the_flags():
     assert "--enable-kv-offload" in res.stdout
     assert "--kv-offload-config" in res.stdout
     assert "sparse_slots_per_req" in res.stdout
+
+
+def _documented_decode_command() -> list:
+    """The decode-node command of docs/kv_offload.md ("Launching a PD pair"), as argv."""
+    import shlex
+
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "kv_offload.md")
+    text = open(docs).read()
+    start = text.index("# decode node: kv offload on")
+    end = text.index("# router", start)
+    command = text[start:end].split("\n", 1)[1].replace("\\\n", " ")
+    return shlex.split(command)
+
+
+def test_documented_pd_decode_command_validates():
+    argv = _documented_decode_command()
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"] and "--enable-kv-offload" in argv
+    argv = argv[3:]
+    # Offline and on CPU: the tiny config stands in for the checkpoint; one rank, no RDMA.
+    argv[argv.index("--model-path") + 1] = DSA_MODEL
+    for flag in ("--tp", "--disaggregation-ib-device"):
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args([*argv, "--device", "cpu"])
+    assert args.enable_kv_offload and args.disaggregation_mode == "decode"
+    assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
+    args.check_server_args()
