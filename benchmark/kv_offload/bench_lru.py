@@ -227,6 +227,7 @@ class Bench:
         self.community = None if args.no_community or device.type != "cuda" else _load_community()
         self.host: Dict[int, torch.Tensor] = {}
         self.copy_cfg = None
+        self.sort_misses = False
         if self.transfer is not None and args.copy_programs:
             self.copy_cfg = self.transfer.CopyLaunchConfig(
                 num_programs=args.copy_programs,
@@ -299,9 +300,15 @@ class Bench:
                     num_warps=self.a.copy_warps,
                 )
                 return
-            self.transfer.copy_rows(
-                *self._views, res.miss_host, res.miss_dst, num_valid=count, config=self.copy_cfg
-            )
+            src, dst = res.miss_host, res.miss_dst
+            if compact and self.sort_misses:
+                # Experiment: misses in host-address order; entries past the device-side count
+                # (stale or -1) sort last.
+                live = torch.arange(src.shape[0], device=src.device) < count
+                key = torch.where(live & (src >= 0), src, torch.full_like(src, 2**62))
+                order = torch.sort(key).indices
+                src, dst = src[order], dst[order]
+            self.transfer.copy_rows(*self._views, src, dst, num_valid=count, config=self.copy_cfg)
         else:
             if count is None:
                 count = self._full_count
@@ -648,6 +655,12 @@ def main() -> None:
     p.add_argument("--no-rowpacked", dest="rowpacked", action="store_false")
     p.add_argument("--max-host-gb", type=float, default=60.0)
     p.add_argument(
+        "--compact-variants",
+        default="",
+        help="comma list of PROGRAMSxROWSxWARPS[:sort] for the compact path, run in one process "
+        "(e.g. 528x4x4,2112x4x4:sort); ':sort' orders the miss list by host address first",
+    )
+    p.add_argument(
         "--host-layers",
         type=int,
         default=1,
@@ -706,9 +719,23 @@ def main() -> None:
         warps = min(tuning, key=tuning.get)
 
     results = []
-    for bs, ctx, churn, row in points:
+    variants = [(None, False)]
+    if (
+        a.compact_variants
+    ):  # launch shapes x host-order sorting of the compact path, one host buffer
+        variants = []
+        for spec in a.compact_variants.split(","):
+            shape, _, sort = spec.partition(":")
+            progs, rows, warps_ = (int(v) for v in shape.split("x"))
+            variants.append(((progs, rows, warps_), sort == "sort"))
+    for (bs, ctx, churn, row), (shape, sort) in ((pt, v) for pt in points for v in variants):
+        if shape is not None:
+            bench.copy_cfg = bench.transfer.CopyLaunchConfig(*shape)
+        bench.sort_misses = sort
         try:
             results.append(bench.run_point(bs, ctx, churn, row, warps))
+            results[-1]["compact_shape"] = shape
+            results[-1]["sorted_misses"] = sort
         except torch.cuda.OutOfMemoryError as e:
             skipped.append(dict(bs=bs, ctx=ctx, churn=churn, row_bytes=row, error=str(e)[:200]))
             torch.cuda.empty_cache()
