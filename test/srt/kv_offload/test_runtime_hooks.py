@@ -304,3 +304,18 @@ def test_h2d_programs_per_req_picks_the_load_shape(programs):
         assert coordinator.controller.group_load_config.num_programs == programs
     runtime.set_coordinator(None)
     del runner
+
+
+def test_status_line_is_logged_every_interval(offload_server_args, caplog):
+    runner = make_runner(config={"sparse_slots_per_req": 128, "status_log_interval": 3})
+    coordinator = runtime.get_coordinator()
+    tree_cache = chunk_cache(runner)
+    reqs = [_admit_prompt(runner, 100)]
+    with caplog.at_level("INFO", logger="sglang.srt.mem_cache.sparsity.kv_offload.coordinator"):
+        for _ in range(7):
+            ScheduleBatch.prepare_for_decode(_batch(runner, tree_cache, reqs))
+    lines = [r.getMessage() for r in caplog.records if "kv_offload: step" in r.getMessage()]
+    assert [line.split(",")[0] for line in lines] == ["kv_offload: step 3", "kv_offload: step 6"]
+    assert "1 requests (0 without slots), 1 promised" in lines[-1]
+    release_kv_cache(reqs[0], tree_cache, is_insert=False)
+    coordinator.drain()

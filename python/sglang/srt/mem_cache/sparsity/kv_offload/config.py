@@ -50,6 +50,8 @@ class KVOffloadConfig:
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
             into the decode host pool (registered with the transfer engine), so no GPU page stages
             the prompt and no backup copies it; the NSA index state still goes to the GPU.
+        status_log_interval: log one line of offload state (requests, promised and free rows,
+            backups) every this many decode steps; 0 turns it off. Host-side counters only.
     """
 
     sparse_slots_per_req: int = 4096
@@ -60,6 +62,7 @@ class KVOffloadConfig:
     h2d_programs_per_req: int = 0
     backup_chunk_tokens: int = 8192
     pd_direct_to_host: bool = False
+    status_log_interval: int = 1000
 
     @classmethod
     def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
@@ -136,6 +139,10 @@ class KVOffloadConfig:
         _require(
             self.h2d_programs_per_req >= 0,
             f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0: one strided pass)",
+        )
+        _require(
+            self.status_log_interval >= 0,
+            f"status_log_interval={self.status_log_interval} must be >= 0 (0 turns it off)",
         )
         _require(
             self.backup_chunk_tokens > 0 and self.backup_chunk_tokens % PAGE_SIZE == 0,

@@ -81,6 +81,7 @@ class KVOffloadCoordinator:
         max_bs: int,
         grouped_loads: bool = False,
         pd_direct_to_host: bool = False,
+        status_log_interval: int = 0,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -98,6 +99,8 @@ class KVOffloadCoordinator:
         self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
         self.reservations: Dict[int, int] = {}  # req_pool_idx -> physical rows promised
+        self.status_log_interval = status_log_interval
+        self.decode_steps = 0
         self.stats = {
             "admitted": 0,
             "admitted_from_host": 0,
@@ -226,6 +229,9 @@ class KVOffloadCoordinator:
         the next step.
         """
         self.poll()
+        self.decode_steps += 1
+        if self.status_log_interval and self.decode_steps % self.status_log_interval == 0:
+            logger.info("%s", self.status_line())
         reqs = []
         for r, n in zip(req_pool_indices, seq_lens):
             req = self.requests.get(int(r))
@@ -236,6 +242,20 @@ class KVOffloadCoordinator:
             self._grant_slots(req)
             reqs.append(req)
         self._start_backups(reqs)
+
+    def status_line(self) -> str:
+        """One line of offload state for the log (host-side counters only: no device sync)."""
+        free = self.allocator.free_counts()
+        st = self.stats
+        return (
+            f"kv_offload: step {self.decode_steps}, {len(self.requests)} requests "
+            f"({sum(not r.has_slots for r in self.requests.values())} without slots), "
+            f"{len(self.reservations)} promised, {self.unreserved_physical_rows()} unpromised "
+            f"physical rows; free logical {free['logical']}, physical {free['physical']}, host "
+            f"{free.get('host', 0)}; backed up {st['backup_tokens']} tokens "
+            f"({st['deferred_backups']} deferred, {st['forced_backups']} forced), admitted "
+            f"{st['admitted']} ({st['admitted_from_host']} from host), released {st['released']}"
+        )
 
     def poll(self) -> int:
         """Complete finished backups without blocking; returns how many completed."""

@@ -142,6 +142,7 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
         max_bs=max_bs,
         grouped_loads=config.h2d_programs_per_req > 0,
         pd_direct_to_host=config.pd_direct_to_host,
+        status_log_interval=config.status_log_interval,
     )
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = allocator
