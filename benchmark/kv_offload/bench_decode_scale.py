@@ -193,7 +193,6 @@ def _traces(
     bs: int, ctx: int, topk: int, churn: float, steps: int, seed: int
 ) -> List[torch.Tensor]:
     """Per step ``(bs, topk)`` int32 positions in ``[0, ctx)`` (bench_lru's generator, chunked)."""
-    sys.path.insert(0, HERE)
     from bench_lru import make_traces
 
     parts = [

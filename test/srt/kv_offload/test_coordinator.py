@@ -21,6 +21,17 @@ from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheSta
 
 P = 64
 LAYERS = 2
+# CPU always; CUDA where present (marked gpu, run on the GPU machine).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
 TOPK = 16
 ROW = 656
 
@@ -260,19 +271,7 @@ def _seeded_draw(seed):
     return draw
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_admit_from_host_then_decode_across_page_boundaries(device):
     """Prompts already in host pages: no physical row until admission, no backup of the prompt,
     the partial last page becomes the GPU tail, and once decode completes that page its host copy

@@ -22,7 +22,7 @@ from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.sparsity.kv_offload import runtime
-from test_coordinator import Harness
+from test_coordinator import DEVICES, Harness, _seeded_draw
 from test_runtime_hooks import offload_server_args  # noqa: F401  (fixture)
 from test_runtime_hooks import LAYERS, P, _batch, chunk_cache, make_runner, new_req
 
@@ -249,23 +249,6 @@ def test_queue_waits_for_rows_promised_to_others(offload_server_args, direct):  
     assert allocator.free_counts() == start and not coordinator.reservations
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-
-def _draw_topk(seed=3):
-    gen = torch.Generator().manual_seed(seed)
-    return lambda seq_len: torch.randperm(seq_len, generator=gen)[:16].tolist()
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(device):
     # 5 physical pages; a 250-token prompt stages in 4, leaving 64 rows for its 128 slots.
@@ -276,7 +259,7 @@ def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(devi
     assert h.coord.stats["forced_backups"] == 1
     locs = h.r2t.req_to_token[r, :192].long()
     assert bool((h.alloc.loc_to_host[locs] >= 0).all())
-    draw = _draw_topk()
+    draw = _seeded_draw(3)
     for _ in range(70):  # across a page boundary: the tail page is backed up and freed normally
         h.step([r], draw)
         h.coord.poll()
@@ -300,7 +283,7 @@ def test_retraction_copy_round_trip(device):
     ]
     for layer in range(LAYERS):
         _set_index_rows(pool.index_k_with_scale_buffer[layer], locs, index[layer], pool)
-    draw = _draw_topk()
+    draw = _seeded_draw(3)
     for _ in range(20):
         h.step([r], draw)
     h.coord.drain()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
@@ -98,7 +98,7 @@ class KVOffloadCoordinator:
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
         self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
-        self.reservations: Dict[int, int] = {}  # req_pool_idx -> physical rows promised
+        self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
         self.stats = {
@@ -111,13 +111,11 @@ class KVOffloadCoordinator:
         }
 
     # ------------------------------------------------------------------ admission control
-    def rows_promised(self, final_len: Optional[int] = None) -> int:
-        """Physical rows a request may hold: slots for ``final_len`` (default: the most) + 2 pages."""
-        if final_len is None:
-            slots = self.sparse_cache.max_slots
-        else:
-            slots = self.sparse_cache.slots_for(max(1, int(final_len)))
-        return slots + 2 * self.page_size
+    @property
+    def rows_promised(self) -> int:
+        """Physical rows a request may come to hold: its most sparse slots + 2 tail pages (the
+        unit the physical pool is sized in)."""
+        return self.sparse_cache.max_slots + 2 * self.page_size
 
     def unreserved_physical_rows(self) -> int:
         """Free physical rows minus what live requests are promised and do not hold as slots yet.
@@ -125,17 +123,17 @@ class KVOffloadCoordinator:
         Conservative: tail rows a request holds are not subtracted from its promise.
         """
         held = self.sparse_cache.num_slots_cpu
-        owed = sum(max(0, rows - int(held[r])) for r, rows in self.reservations.items())
+        owed = sum(max(0, self.rows_promised - int(held[r])) for r in self.reservations)
         return self.allocator.physical_available_size() - owed
 
-    def can_reserve(self, staging_rows: int, final_len: Optional[int] = None) -> bool:
+    def can_reserve(self, staging_rows: int) -> bool:
         """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
         its rows without touching rows promised to live requests."""
-        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised(final_len)
+        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised
 
-    def reserve(self, req_pool_idx: int, final_len: Optional[int] = None) -> None:
+    def reserve(self, req_pool_idx: int) -> None:
         """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""
-        self.reservations[int(req_pool_idx)] = self.rows_promised(final_len)
+        self.reservations.add(int(req_pool_idx))
 
     # ------------------------------------------------------------------ scheduler side
     def admit(self, req_pool_idx: int, seq_len: int, written_len: Optional[int] = None) -> None:
@@ -153,7 +151,7 @@ class KVOffloadCoordinator:
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
         )
         self.requests[r] = req
-        self.reservations.setdefault(r, self.rows_promised())
+        self.reservations.add(r)
         self.stats["admitted"] += 1
         self._grant_slots(req)
         self._start_backups([req])
@@ -216,7 +214,7 @@ class KVOffloadCoordinator:
             req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True
         )
         self.requests[r] = req
-        self.reservations.setdefault(r, self.rows_promised())
+        self.reservations.add(r)
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
 
@@ -269,7 +267,7 @@ class KVOffloadCoordinator:
         through the allocator, their physical rows and host slots; without it the caller frees them
         (upstream's ``release_kv_cache`` path does, through the same allocator).
         """
-        self.reservations.pop(int(req_pool_idx), None)
+        self.reservations.discard(int(req_pool_idx))
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
             return False
