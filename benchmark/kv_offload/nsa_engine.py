@@ -318,13 +318,13 @@ class _Backend:
         if self.cfg.use_upstream_kernels:
             self.pool.set_index_k_scale_buffer(layer, locs.to(torch.int64), k_fp8, scale)
             return
+        from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import set_index_rows
+
         # Same bytes as upstream SetKAndS: keys at page[off*128], scales at page[64*128 + off*4].
-        buf = self.pool.index_k_with_scale_buffer[layer]
-        page, off = (locs // PAGE)[:, None], (locs % PAGE)[:, None]
-        ar = torch.arange(INDEX_DIM, device=locs.device)
-        buf[page, off * INDEX_DIM + ar] = k_fp8.view(torch.uint8)
-        ar4 = torch.arange(4, device=locs.device)
-        buf[page, PAGE * INDEX_DIM + off * 4 + ar4] = scale.contiguous().view(torch.uint8)
+        rows = torch.cat([k_fp8.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+        set_index_rows(
+            self.pool.index_k_with_scale_buffer[layer], locs.to(torch.int64), rows, self.pool
+        )
 
     def index_keys(self, layer: int, req: int, n: int) -> torch.Tensor:
         """Dequantised index keys of positions ``[0, n)`` read back through ``req_to_token``."""

@@ -93,7 +93,7 @@ class Truth:
 
 def write_positions(runner, req, truth, start, end, to_host):
     """What a PD transfer / a forward writes: KV rows (GPU row or host slot) and index keys."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import _set_index_rows
+    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import set_index_rows
 
     allocator, pool = runner.token_to_kv_pool_allocator, runner.token_to_kv_pool
     locs = runner.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].long()
@@ -106,7 +106,7 @@ def write_positions(runner, req, truth, start, end, to_host):
             phys = allocator.full_to_hisparse_device_index_mapping[locs]
             assert bool((phys > 0).all())
             pool.device_row_view(layer)[phys] = truth.kv[layer][start:end]
-        _set_index_rows(
+        set_index_rows(
             pool.index_k_with_scale_buffer[layer], locs, truth.index[layer][start:end], pool
         )
 
@@ -270,7 +270,7 @@ def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(devi
 def test_retraction_copy_round_trip(device):
     """get_cpu_copy reads GPU tail rows and host rows (pinned on CUDA) alike; load_cpu_copy puts
     them, and the index keys, into fresh GPU rows that then decode like a staged prompt."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import _index_rows, _set_index_rows
+    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import index_rows, set_index_rows
 
     h = Harness(physical_pages=12, buffer_slots=64, max_reqs=3, device=device)
     assert h.admit(150)
@@ -282,7 +282,7 @@ def test_retraction_copy_round_trip(device):
         torch.randint(0, 256, (n0, INDEX_ROW), dtype=torch.uint8).to(device) for _ in range(LAYERS)
     ]
     for layer in range(LAYERS):
-        _set_index_rows(pool.index_k_with_scale_buffer[layer], locs, index[layer], pool)
+        set_index_rows(pool.index_k_with_scale_buffer[layer], locs, index[layer], pool)
     draw = _seeded_draw(3)
     for _ in range(20):
         h.step([r], draw)
@@ -309,7 +309,7 @@ def test_retraction_copy_round_trip(device):
     phys = alloc.full_to_hisparse_device_index_mapping[new]
     for layer in range(LAYERS):
         assert torch.equal(pool.device_row_view(layer)[phys], truth[layer])
-        got = _index_rows(pool.index_k_with_scale_buffer[layer], new, pool)
+        got = index_rows(pool.index_k_with_scale_buffer[layer], new, pool)
         assert torch.equal(got[:n0], index[layer])
     r2 = h.free_reqs.pop()
     h.r2t.req_to_token[r2, :n] = new.to(torch.int32)

@@ -381,7 +381,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8)
             rows[on_gpu_cpu] = kv.device_row_view(layer_id)[physical[on_gpu]].cpu()
             rows[~on_gpu_cpu] = self.host_pool.host_row_view(layer_id)[host_cpu[~on_gpu_cpu]]
-            out.append((rows, _index_rows(kv.index_k_with_scale_buffer[i], locs, kv).cpu()))
+            out.append((rows, index_rows(kv.index_k_with_scale_buffer[i], locs, kv).cpu()))
         return out
 
     def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
@@ -397,11 +397,11 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
                 f"layers ({kv.layer_num}); got {len(kv_cache_cpu)} layers and "
                 f"{int((physical <= 0).sum())} locs without a physical row"
             )
-        for i, (rows, index_rows) in enumerate(kv_cache_cpu):
+        for i, (rows, saved_index) in enumerate(kv_cache_cpu):
             if rows.shape[0] != locs.numel():
                 raise ValueError(f"{rows.shape[0]} saved rows for {locs.numel()} locs")
             kv.device_row_view(kv.start_layer + i)[physical] = rows.to(self.device)
-            _set_index_rows(kv.index_k_with_scale_buffer[i], locs, index_rows.to(self.device), kv)
+            set_index_rows(kv.index_k_with_scale_buffer[i], locs, saved_index.to(self.device), kv)
 
     # ------------------------------------------------------------------ host bookkeeping
     def set_host_locs(self, logical_locs: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -460,11 +460,13 @@ def _index_byte_offsets(locs: torch.Tensor, pool) -> Tuple[torch.Tensor, torch.T
     return page[:, None], torch.cat([key, scale], dim=1)
 
 
-def _index_rows(buf: torch.Tensor, locs: torch.Tensor, pool) -> torch.Tensor:
+def index_rows(buf: torch.Tensor, locs: torch.Tensor, pool) -> torch.Tensor:
+    """``(n, D + 4)`` bytes (key, then fp32 scale) of ``locs`` in one layer's index buffer."""
     page, cols = _index_byte_offsets(locs, pool)
     return buf[page, cols]
 
 
-def _set_index_rows(buf: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor, pool) -> None:
+def set_index_rows(buf: torch.Tensor, locs: torch.Tensor, rows: torch.Tensor, pool) -> None:
+    """Write ``(n, D + 4)`` bytes (key, then fp32 scale) of ``locs`` (upstream SetKAndS layout)."""
     page, cols = _index_byte_offsets(locs, pool)
     buf[page, cols] = rows
