@@ -23,6 +23,7 @@ equal the host rows). Writes JSON (``--out``, default ``$OUT/bench_lru.json``) a
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -215,6 +216,18 @@ def make_traces(bs: int, ctx: int, K: int, churn: float, steps: int, device, see
     return out
 
 
+def host_layers(a, bs: int, ctx: int, row: int) -> int:
+    """Host regions (layers) a point's steps rotate through.
+
+    ``--host-layers N`` fixes N; 0 gives every point the host footprint of a ``--pool-layers``
+    pool (61 for DeepSeek-V3.2), as many layers as fit in ``--max-host-gb``.
+    """
+    if a.host_layers > 0:
+        return a.host_layers
+    per_layer_gb = bs * ctx * row / 1e9
+    return max(1, min(a.pool_layers, int(a.max_host_gb // per_layer_gb)))
+
+
 # --------------------------------------------------------------------------------- bench
 class Bench:
     def __init__(self, args, device: torch.device):
@@ -226,8 +239,12 @@ class Bench:
         self.transfer = None if args.builtin_gather else _load_transfer()
         self.community = None if args.no_community or device.type != "cuda" else _load_community()
         self.host: Dict[int, torch.Tensor] = {}
+        self.period: Optional[int] = None  # host content period in rows (set by main)
+        self._cursor = 0  # next layer region: every pass continues the rotation (see _regions)
         self.copy_cfg = None
         self.sort_misses = False
+        if self.transfer is not None and hasattr(self.transfer, "default_load_launch_config"):
+            self.copy_cfg = self.transfer.default_load_launch_config(device)  # the controller's
         if self.transfer is not None and args.copy_programs:
             self.copy_cfg = self.transfer.CopyLaunchConfig(
                 num_programs=args.copy_programs,
@@ -240,28 +257,31 @@ class Bench:
         buf = self.host.get(row)
         if buf is not None and buf.shape[0] >= rows:
             return buf
-        self.host.clear()  # points are sorted by row size: the previous buffer is done
-        if self.dev.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # give the pinned pages back before pinning more
+        self.release_host()  # points are sorted by footprint: the previous buffer is done
         t0 = time.time()
         pin = self.dev.type == "cuda"
-        if pin and self.a.host_layers > 1:
+        if pin and rows * row > (8 << 30):
             # One cudaHostAlloc of ~80 GB fails; pin as the host pool does (cudaHostRegister).
             buf = torch.empty((rows, row), dtype=torch.uint8)
             rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of {buf.nbytes / 1e9:.1f} GB failed: {rc}")
+            buf._kvo_registered = True
         else:
             buf = torch.empty((rows, row), dtype=torch.uint8, pin_memory=pin)
-        chunk = max(1, (256 << 20) // row)
-        # Random content generated on the device (fast). With --host-layers N the buffer holds N
-        # identical regions (one per layer) so every region serves the same rows.
-        region = rows // self.a.host_layers
-        for i in range(0, region, chunk):
-            n = min(chunk, region - i)
-            part = torch.randint(0, 256, (n, row), dtype=torch.uint8, device=self.dev)
-            for j in range(self.a.host_layers):
-                buf[j * region + i : j * region + i + n].copy_(part)
+        # Steps rotate through layer regions but share one LRU state, so a row cached from one
+        # region is read back as a hit at another step: every region must hold the same rows. The
+        # content repeats every ``period`` rows (a divisor of every point's region), generated on
+        # the device and tiled.
+        period = min(rows, self.period or rows)
+        chunk = period * max(1, (256 << 20) // (period * row))
+        g = torch.Generator(device=self.dev).manual_seed(self.a.seed)
+        tile = torch.randint(0, 256, (period, row), dtype=torch.uint8, device=self.dev, generator=g)
+        tile = tile.repeat(chunk // period, 1) if chunk > period else tile
+        for i in range(0, rows, chunk):
+            n = min(chunk, rows - i)
+            buf[i : i + n].copy_(tile[:n])
+        del tile
         self.clock.sync()
         print(
             f"[host] {rows * row / 1e9:.1f} GB {'pinned' if pin else ''} buffer for {row} B rows "
@@ -270,6 +290,26 @@ class Bench:
         )
         self.host[row] = buf
         return buf
+
+    def _regions(self, steps: int, layers: int) -> List[int]:
+        """Layer regions for the next ``steps`` steps of a pass.
+
+        Every pass (ours eager, row-packed, graph, community) continues one rotation, so a region
+        comes back only after the other ``layers - 1``, as a layer's host rows do in a decode step;
+        restarting at region 0 would hand later passes translations that earlier passes warmed.
+        """
+        out = [(self._cursor + i) % layers for i in range(steps)]
+        self._cursor = (self._cursor + steps) % layers
+        return out
+
+    def release_host(self) -> None:
+        """Unpin and drop the host buffers (the next row size pins its own)."""
+        for buf in self.host.values():
+            if self.dev.type == "cuda" and getattr(buf, "_kvo_registered", False):
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self.host.clear()
+        if self.dev.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # give the pinned pages back before pinning more
 
     def _state(self, bs: int, ctx: int, S: int):
         dev = self.dev
@@ -321,11 +361,11 @@ class Bench:
     ) -> Dict:
         a, dev, clock = self.a, self.dev, self.clock
         K, S = a.topk, a.buffer
-        layers = a.host_layers
-        host_all = self.host_buffer(row, bs * ctx * layers)[: bs * ctx * layers]
-        host = host_all[: bs * ctx]  # region 0 (every region holds the same rows)
+        layers = host_layers(a, bs, ctx, row)
+        region = bs * ctx  # one layer's host rows; step i reads layer i % layers
+        host = self.host_buffer(row, region * layers)
         word = 8 if row % 8 == 0 else 4
-        host_w = host_all.view(torch.int64 if word == 8 else torch.int32)
+        host_w = host.view(torch.int64 if word == 8 else torch.int32)
         dev_rows = bs * (S + 64) + 64
         devbuf = torch.zeros((dev_rows, row), dtype=torch.uint8, device=dev)
         dev_w = devbuf.view(host_w.dtype)
@@ -335,8 +375,12 @@ class Bench:
         base = (torch.arange(bs, dtype=torch.int32, device=dev) * ctx)[:, None]
         locs = [t + base for t in traces]  # logical loc = r * ctx + position (req_to_token)
         l2h = torch.arange(bs * ctx, dtype=torch.int64, device=dev)
+
         # Step i reads layer (i % host_layers)'s region: the host footprint of a multi-layer pool.
-        l2h_steps = [l2h + (i % layers) * bs * ctx for i in range(len(locs))]
+        def l2h_for_pass() -> List[torch.Tensor]:
+            return [l2h + j * region for j in self._regions(len(locs), layers)]
+
+        l2h_steps = l2h_for_pass()
         l2t = torch.full((bs * ctx,), -1, dtype=torch.int32, device=dev)
         ws = self.lru.PlanWorkspace(bs, K, S, dev)
         self._full_count = torch.tensor([bs * K], dtype=torch.int32, device=dev)
@@ -348,6 +392,8 @@ class Bench:
             ctx=ctx,
             churn=churn,
             row_bytes=row,
+            host_layers=layers,
+            host_gb=region * layers * row / 1e9,
             topk=K,
             buffer=S,
             steps=a.steps,
@@ -383,14 +429,15 @@ class Bench:
         r["hit_rate_ours"] = 1 - r["misses_ours"] / (bs * K)
         r["ours_GBps"] = r["misses_ours"] * row / ms / 1e6
         r["err_flags"] = int(ws.error_flags[0])
-        r["correct_ours"] = self._check(devbuf, host, res.out_indices, locs[-1], l2h)
+        r["correct_ours"] = self._check(devbuf, host, res.out_indices, locs[-1], l2h_steps[-1])
 
         if a.rowpacked:
             devbuf.zero_()
+            l2h_steps = l2h_for_pass()
             ms_rp, _, _, res_rp, _ = eager_pass(False)
             r["ours_rowpacked_ms"] = ms_rp
             r["correct_ours_rowpacked"] = self._check(
-                devbuf, host, res_rp.out_indices, locs[-1], l2h
+                devbuf, host, res_rp.out_indices, locs[-1], l2h_steps[-1]
             )
 
         if dev.type == "cuda" and not a.no_graph:
@@ -402,7 +449,7 @@ class Bench:
                     locs,
                     rpi,
                     nr,
-                    l2h_steps,
+                    l2h_for_pass(),
                     l2t,
                     host,
                     host_w,
@@ -428,7 +475,7 @@ class Bench:
             r["frac_memcpy_bw"] = r["ours_GBps"] / r["memcpy_GBps"]
 
         if self.community is not None:
-            r.update(self._community_pass(bs, ctx, S, K, row, traces, host, host_all))
+            r.update(self._community_pass(bs, ctx, S, K, row, traces, host, layers))
             if r.get("community_ms"):
                 r["speedup_vs_community"] = r["community_ms"] / r["ours_ms"]
                 if "ours_graph_ms" in r:
@@ -483,14 +530,14 @@ class Bench:
         out = ws.out_indices[:bs]
         return {
             "ours_graph_ms": _median(ts),
-            "correct_ours_graph": self._check(devbuf, host, out, locs[-1], l2h_steps[0]),
+            "correct_ours_graph": self._check(devbuf, host, out, locs[-1], l2h_steps[-1]),
         }
 
-    def _community_pass(self, bs, ctx, S, K, row, traces, host, host_all) -> Dict:
+    def _community_pass(self, bs, ctx, S, K, row, traces, host, layers) -> Dict:
         a, dev, clock = self.a, self.dev, self.clock
         R = bs
-        hc = host_all.view(-1, 1, row)
         region = R * ctx
+        hc = host.view(-1, 1, row)
         devbuf = torch.zeros((R * (S + 64) + 64, 1, row), dtype=torch.uint8, device=dev)
         host_locs = torch.arange(R * ctx, device=dev, dtype=torch.int64).view(R, ctx)
         locs = (torch.arange(R * (S + 64), dtype=torch.int32, device=dev) + 64).view(R, S + 64)
@@ -500,7 +547,7 @@ class Bench:
         seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
         n = torch.tensor([bs], dtype=torch.int32, device=dev)
         out = torch.full((bs, K), -1, dtype=torch.int32, device=dev)
-        host_locs_steps = [host_locs + (i % a.host_layers) * region for i in range(len(traces))]
+        host_locs_steps = [host_locs + j * region for j in self._regions(len(traces), layers)]
         ts, misses = [], []
         try:
             for i, tk in enumerate(traces):
@@ -538,7 +585,7 @@ class Bench:
         for b in sorted({0, bs - 1}):
             ok &= torch.equal(
                 devbuf[out[b].long()].view(K, row).cpu(),
-                host[host_locs[b, traces[-1][b].long()].cpu()],
+                host[host_locs_steps[-1][b, traces[-1][b].long()].cpu()],
             )
         m = int(_median(misses))
         cms = _median(ts)
@@ -564,7 +611,7 @@ def _fmt(v, spec):
 
 def print_table(rows: List[Dict], header: bool = True) -> None:
     hdr = (
-        f"{'bs':>4} {'ctx':>7} {'churn':>5} {'row':>5} | {'plan':>6} {'ours':>6} {'graph':>6} "
+        f"{'bs':>4} {'ctx':>7} {'churn':>5} {'row':>5} {'L':>3} | {'plan':>6} {'ours':>6} {'graph':>6} "
         f"{'comm':>6} {'memcpy':>6} | {'miss':>6} {'hit%':>5} {'GB/s':>5} {'xComm':>5} "
         f"{'%mcpy':>5} ok"
     )
@@ -574,7 +621,8 @@ def print_table(rows: List[Dict], header: bool = True) -> None:
     for r in rows:
         ok = r.get("correct_ours") and r.get("correct_ours_graph", True) and not r.get("err_flags")
         print(
-            f"{r['bs']:>4} {r['ctx']:>7} {r['churn']:>5.2f} {r['row_bytes']:>5} | "
+            f"{r['bs']:>4} {r['ctx']:>7} {r['churn']:>5.2f} {r['row_bytes']:>5} "
+            f"{r.get('host_layers', 1):>3} | "
             f"{_fmt(r.get('ours_plan_ms'), '6.3f')} {_fmt(r.get('ours_ms'), '6.3f')} "
             f"{_fmt(r.get('ours_graph_ms'), '6.3f')} {_fmt(r.get('community_ms'), '6.3f')} "
             f"{_fmt(r.get('memcpy_ms'), '6.3f')} | {r.get('misses_ours', 0):>6} "
@@ -665,7 +713,11 @@ def main() -> None:
         type=int,
         default=1,
         help="host regions (one per layer) the steps rotate through: the host footprint of a "
-        "multi-layer pool (61 layers of bs 128 x 32K x 656 B = 168 GB); 1 = one layer",
+        "multi-layer pool (61 layers of bs 128 x 32K x 656 B = 168 GB); 1 = one layer; 0 = per "
+        "point, --pool-layers layers capped by --max-host-gb",
+    )
+    p.add_argument(
+        "--pool-layers", type=int, default=61, help="layers of the pool (--host-layers 0)"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -698,14 +750,20 @@ def main() -> None:
     for row in a.rows:
         for bs in a.bs:
             for ctx in a.ctx:
-                gb = bs * ctx * row * a.host_layers / 1e9
+                gb = bs * ctx * row * host_layers(a, bs, ctx, row) / 1e9
                 if gb > a.max_host_gb:
                     skipped.append(dict(bs=bs, ctx=ctx, row_bytes=row, host_gb=gb))
                     continue
                 for churn in a.churn:
                     points.append((bs, ctx, churn, row))
+    # Host content repeats every gcd(region sizes) rows, so each point's layer regions (bs * ctx
+    # rows apart) hold the same rows whichever point pinned the shared buffer.
+    if any(host_layers(a, p[0], p[1], p[3]) > 1 for p in points):
+        bench.period = functools.reduce(math.gcd, (p[0] * p[1] for p in points))
     # largest host buffer first per row size: pinned once, then reused
-    points.sort(key=lambda p: (p[3], -p[0] * p[1], p[0], p[1], p[2]))
+    points.sort(
+        key=lambda p: (p[3], -p[0] * p[1] * host_layers(a, p[0], p[1], p[3]), p[0], p[1], p[2])
+    )
 
     warps = a.num_warps
     tuning = {}
@@ -728,32 +786,42 @@ def main() -> None:
             shape, _, sort = spec.partition(":")
             progs, rows, warps_ = (int(v) for v in shape.split("x"))
             variants.append(((progs, rows, warps_), sort == "sort"))
+
+    def write() -> None:  # after every point: a long sweep that dies keeps what it measured
+        doc = {
+            "env": env,
+            "args": vars(a),
+            "num_warps": warps,
+            "tuning_plan_ms": tuning,
+            "host_period_rows": bench.period,
+            "results": results,
+            "skipped": skipped,
+            "wall_s": time.time() - t_start,
+        }
+        out.write_text(json.dumps(doc, indent=1))
+
     for (bs, ctx, churn, row), (shape, sort) in ((pt, v) for pt in points for v in variants):
         if shape is not None:
             bench.copy_cfg = bench.transfer.CopyLaunchConfig(*shape)
         bench.sort_misses = sort
+        cfg = bench.copy_cfg
         try:
             results.append(bench.run_point(bs, ctx, churn, row, warps))
-            results[-1]["compact_shape"] = shape
-            results[-1]["sorted_misses"] = sort
         except torch.cuda.OutOfMemoryError as e:
             skipped.append(dict(bs=bs, ctx=ctx, churn=churn, row_bytes=row, error=str(e)[:200]))
             torch.cuda.empty_cache()
+            continue
+        results[-1]["compact_shape"] = (
+            None if cfg is None else [cfg.num_programs, cfg.rows_per_program, cfg.num_warps]
+        )
+        results[-1]["sorted_misses"] = sort
         print_table(results[-1:], header=len(results) == 1)
+        write()
     print()
     print_table(results)
     for s in skipped:
         print(f"[skip] {s}")
-    doc = {
-        "env": env,
-        "args": vars(a),
-        "num_warps": warps,
-        "tuning_plan_ms": tuning,
-        "results": results,
-        "skipped": skipped,
-        "wall_s": time.time() - t_start,
-    }
-    out.write_text(json.dumps(doc, indent=1))
+    write()
     print(f"[json] {out}  ({time.time() - t_start:.0f} s)")
     plot(results, out.with_suffix(".png"))
 

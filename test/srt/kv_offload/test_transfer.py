@@ -154,17 +154,24 @@ def test_errors_are_clear():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("row_bytes,dtype", ROW_LAYOUTS)
-def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype):
+@pytest.mark.parametrize("load_shape", ["default", "load"])
+def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_load_launch_config
+
     n_host, n = 200_000, 26_000
     host = _rows(n_host, row_bytes, dtype, 0).pin_memory()
     dev = torch.zeros(2 * n, 1, row_bytes // dtype.itemsize, dtype=dtype, device="cuda")
     si = torch.randperm(n_host, device="cuda")[:n].to(torch.int32)
     di = torch.randperm(2 * n, device="cuda")[:n]
     si[::9] = -1
-    copy_rows(host, dev, si, di)
+    cfg = default_load_launch_config(torch.device("cuda")) if load_shape == "load" else None
+    count = torch.tensor([n - 5], dtype=torch.int32, device="cuda")
+    copy_rows(host, dev, si, di, count, cfg)
+    si[n - 5 :] = -1  # past the device-side count: not copied
     torch.cuda.synchronize()
     live = si >= 0
     assert torch.equal(_bytes(dev)[di[live]].cpu(), _bytes(host)[si[live].long().cpu()])
+    assert not _bytes(dev)[di[n - 5 :]].any()
     back = torch.zeros_like(host).pin_memory()
     copy_rows(dev, back, di[live], si[live])
     torch.cuda.synchronize()

@@ -42,9 +42,9 @@ class KVOffloadConfig:
         host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
         h2d_programs_per_req: 0 (default): the per-layer H2D gather is one strided pass over a
-            compact miss list, the faster shape with a real multi-layer host pool on the H200;
-            N > 0: a grid of ``(batch, N)`` programs, N per request (faster only while the host
-            pool is small enough for warm address translation).
+            compact miss list (``transfer.default_load_launch_config``), the faster shape with a
+            real multi-layer host pool on the H200; N > 0: a grid of ``(batch, N)`` programs, N per
+            request (faster only while the host pool is small enough for warm address translation).
         backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
             bounds how long one backup occupies the copy path.
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     copy_rows_grouped,
     default_group_launch_config,
     default_launch_config,
+    default_load_launch_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class KVOffloadCacheController(HiCacheController):
         token_to_kv_pool_allocator.register_host_pool(mem_pool_host)
         self.allocator = token_to_kv_pool_allocator
         dev = torch.device(pool.device)
-        self.load_config = load_config or default_launch_config(dev)
+        self.load_config = load_config or default_load_launch_config(dev)
         self.backup_config = backup_config or default_launch_config(dev)
         self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug
@@ -130,7 +131,8 @@ class KVOffloadCacheController(HiCacheController):
         -1 host index are skipped, and only the first ``num_valid[0]`` are read when given. With
         ``group_counts`` (one int32 count per request) the lists are per-request rows of equal width
         (the plan's row-packed miss list) and each request's rows are copied by its own programs,
-        which keeps their host pages together (measured faster on the H200). Capture-safe.
+        which keeps their host pages together (faster on the H200 only while the host rows fit
+        the GPU's translation caches, about one 3 GB region). Capture-safe.
         """
         l = layer_id - self._start_layer
         if group_counts is not None:
