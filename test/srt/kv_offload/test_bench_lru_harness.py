@@ -21,14 +21,16 @@ BENCH = ROOT / "benchmark" / "kv_offload" / "bench_lru.py"
 @pytest.mark.parametrize("host_layers", ["3", "0"])
 def test_multi_region_points_are_checked_and_correct(tmp_path, host_layers):
     out = tmp_path / "bench.json"
+    # "3": two row sizes (the second pins its own buffer after the first is released)
+    rows, ctx = ("656,1152", "256") if host_layers == "3" else ("656", "256,512")
     cmd = [
         sys.executable,
         str(BENCH),
         "--device", "cpu",
         "--bs", "1,2",
-        "--ctx", "256,512",
+        "--ctx", ctx,
         "--churn", "0.1",
-        "--rows", "656",
+        "--rows", rows,
         "--topk", "64",
         "--buffer", "128",
         "--steps", "4",
@@ -43,9 +45,10 @@ def test_multi_region_points_are_checked_and_correct(tmp_path, host_layers):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert len(results) == 4
-    layers = {(r["bs"], r["ctx"]): r["host_layers"] for r in results}
+    layers = {(r["bs"], r["ctx"]): r["host_layers"] for r in results}  # per row size
     if host_layers == "3":
         assert set(layers.values()) == {3}
+        assert sorted(r["row_bytes"] for r in results) == [656, 656, 1152, 1152]
     else:  # the largest point gets 3 layers within the cap, the others the 4-layer pool
         assert layers == {(2, 512): 3, (2, 256): 4, (1, 512): 4, (1, 256): 4}
     for r in results:

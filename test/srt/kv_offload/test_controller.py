@@ -311,9 +311,6 @@ def test_row_size_mismatch_is_rejected():
 # --------------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# cudaHostRegister'ed pools are never unregistered (as upstream): keep them alive for the session so
-# a later pool cannot be placed on a freed, still registered address range.
-_GPU_TIERS = []
 
 
 @pytest.mark.gpu
@@ -321,7 +318,6 @@ _GPU_TIERS = []
 @pytest.mark.parametrize("row", [656, 1152])
 def test_gpu_backup_poll_and_graph_replay_of_load_one_layer(row):
     t = Tier(row, physical=16384, logical=16384, device="cuda")
-    _GPU_TIERS.append(t)
     assert t.host.pin_memory
     n = 4096
     locs, kv = t.admit(0, n)

@@ -1,9 +1,13 @@
-"""KVOffloadHostPool: sizing, layout, page-aligned allocation and clear errors (CPU)."""
+"""KVOffloadHostPool: sizing, layout, page-aligned allocation, clear errors, unpinning."""
+
+import gc
+import logging
 
 import psutil
 import pytest
 import torch
 from _pools import offload_device_pool
+from sglang.srt.mem_cache.sparsity.kv_offload import host_pool as host_pool_mod
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import (
     HostPoolSizeError,
     KVOffloadHostPool,
@@ -112,3 +116,54 @@ def test_too_large_names_the_numbers_and_keys():
     msg = str(ei.value)
     assert "requested" in msg and "GB" in msg and "is free" in msg
     assert "host_pool_size_gb" in msg and "host_pool_ratio" in msg and "--kv-offload-config" in msg
+
+
+def test_unpin_syncs_before_unregistering_and_waits_out_a_capture(monkeypatch, caplog):
+    """The pinned pool's finalizer (CUDA calls replaced by recorders so it runs on CPU)."""
+    calls, state = [], {"capturing": False, "rc": 0}
+
+    class Cudart:
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return state["rc"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync",)))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(host_pool_mod, "_UNPIN_LATER", [])
+    a, b = torch.zeros(16), torch.zeros(16)
+    dev = torch.device("cuda", 0)
+
+    state["capturing"] = True  # collected during a graph capture: no device sync, keep it pinned
+    host_pool_mod._unpin_host_buffer(a, dev)
+    assert calls == [] and [x[0] for x in host_pool_mod._UNPIN_LATER] == [a]
+    state["capturing"] = False  # the next finalizer outside a capture unpins both
+    host_pool_mod._unpin_host_buffer(b, dev)
+    assert calls == [
+        ("sync",),
+        ("unregister", b.data_ptr()),
+        ("sync",),
+        ("unregister", a.data_ptr()),
+    ]
+    assert host_pool_mod._UNPIN_LATER == []
+
+    state["rc"] = 713
+    with caplog.at_level(logging.WARNING):
+        host_pool_mod._unpin_host_buffer(a, dev)
+    assert "cudaHostUnregister" in caplog.text and host_pool_mod._UNPIN_LATER == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dropped_pinned_pool_is_unregistered():
+    host = KVOffloadHostPool(
+        offload_device_pool(256, 1024, 2, FP8, device="cuda"), host_pool_ratio=1
+    )
+    assert host.pin_memory
+    buf = host.kv_buffer  # keeps the memory allocated, so its address stays meaningful
+    del host
+    gc.collect()
+    cudart = torch.cuda.cudart()
+    # Registering again succeeds only if the dropped pool unpinned its buffer.
+    assert int(cudart.cudaHostRegister(buf.data_ptr(), buf.nbytes, 0)) == 0
+    assert int(cudart.cudaHostUnregister(buf.data_ptr())) == 0

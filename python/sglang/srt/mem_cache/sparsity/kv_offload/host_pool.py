@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import List, Optional, Tuple
 
 import psutil
@@ -115,6 +116,17 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         self._check_host_memory(host_size_gb, host_pool_ratio, host_reserve_bytes)
 
         self.kv_buffer = self.init_kv_buffer()
+        if self.pin_memory:
+            # Upstream registers the buffer with cudaHostRegister and never unregisters it: its
+            # pools live as long as the process. A pool that is dropped earlier (tests, benchmarks,
+            # a rebuilt engine) must give its pages back, or they stay pinned and, once the freed
+            # range is reused by a new allocation, the stale registration redirects later copies
+            # into the old pages.
+            # The finalizer holds the buffer, so the memory is freed only after the unpin.
+            self._unpin = weakref.finalize(
+                self, _unpin_host_buffer, self.kv_buffer, torch.device(device_pool.device)
+            )
+            self._unpin.atexit = False  # the process exit releases everything anyway
         self.lock = threading.RLock()
         self.clear()
 
@@ -189,6 +201,30 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                     f"{self.available_size()} of {self.size} already free"
                 )
             return super().free(indices)
+
+
+# Pinned buffers of dropped pools whose unpin had to wait: a pool collected while a CUDA graph is
+# being captured (the GC can run at any allocation) must not synchronize the device.
+_UNPIN_LATER: List[Tuple[torch.Tensor, torch.device]] = []
+
+
+def _unpin_host_buffer(buffer: torch.Tensor, device: torch.device) -> None:
+    """Finalizer of a pinned host pool: ``cudaHostUnregister`` its buffer, then let it be freed."""
+    _UNPIN_LATER.append((buffer, device))
+    if torch.cuda.is_current_stream_capturing():
+        return  # the next pool finalized outside a capture unpins this one too
+    while _UNPIN_LATER:
+        buf, dev = _UNPIN_LATER.pop()
+        try:
+            torch.cuda.synchronize(dev)  # no queued copy may still read or write the pages
+            rc = torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+            logger.warning("kv_offload host pool: could not unpin %#x: %s", buf.data_ptr(), e)
+            continue
+        if int(rc) != 0:
+            logger.warning(
+                "kv_offload host pool: cudaHostUnregister(%#x) returned %s", buf.data_ptr(), rc
+            )
 
 
 def logical_capacity(device_pool) -> int:
