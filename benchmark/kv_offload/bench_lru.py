@@ -305,6 +305,7 @@ class Bench:
     def release_host(self) -> None:
         """Unpin and drop the host buffers (the next row size pins its own)."""
         self._views = self._views_of = None  # the cached kernel views would keep a buffer alive
+        self.clock.sync()  # nothing queued may still read a buffer being unpinned
         for buf in self.host.values():
             if self.dev.type == "cuda" and getattr(buf, "_kvo_registered", False):
                 torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
