@@ -243,7 +243,7 @@ class Bench:
         self._cursor = 0  # next layer region: every pass continues the rotation (see _regions)
         self.copy_cfg = None
         self.sort_misses = False
-        if self.transfer is not None and hasattr(self.transfer, "default_load_launch_config"):
+        if self.transfer is not None:
             self.copy_cfg = self.transfer.default_load_launch_config(device)  # the controller's
         if self.transfer is not None and args.copy_programs:
             self.copy_cfg = self.transfer.CopyLaunchConfig(

@@ -11,6 +11,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     copy_rows_all_layers,
     copy_rows_all_layers_ref,
     copy_rows_ref,
+    default_load_launch_config,
 )
 
 ROW_LAYOUTS = [(656, torch.uint8), (1152, torch.bfloat16)]
@@ -156,8 +157,6 @@ def test_errors_are_clear():
 @pytest.mark.parametrize("row_bytes,dtype", ROW_LAYOUTS)
 @pytest.mark.parametrize("load_shape", ["default", "load"])
 def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_load_launch_config
-
     n_host, n = 200_000, 26_000
     host = _rows(n_host, row_bytes, dtype, 0).pin_memory()
     dev = torch.zeros(2 * n, 1, row_bytes // dtype.itemsize, dtype=dtype, device="cuda")
