@@ -4,6 +4,19 @@ import os
 
 __version__ = "0.0.0+cpustub"
 
+
+_TOPK_STANDINS = ("fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused")
+
+
+def __getattr__(name):
+    # S5: NSA's three top-k kernels, as the torch references of the tiny real server's stand-ins.
+    if name in _TOPK_STANDINS:
+        import kv_offload_standins
+
+        return getattr(kv_offload_standins, name)
+    raise AttributeError(name)
+
+
 if os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
     # Only on a CUDA machine without sgl_kernel (the lent GPU box): upstream modules import many op
     # names and submodules at module level because torch reports CUDA. Hand out placeholders that
@@ -33,7 +46,14 @@ if os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
 
         return __getattr__
 
-    __getattr__ = _module_getattr(__name__)
+    _placeholder = _module_getattr(__name__)
+
+    def __getattr__(name):  # noqa: F811
+        if name in _TOPK_STANDINS:
+            import kv_offload_standins
+
+            return getattr(kv_offload_standins, name)
+        return _placeholder(name)
 
     class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, fullname, path, target=None):

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""The tiny DeepSeek-V3.2 real server: ``python -m sglang.launch_server`` on a random-weight model.
+
+``python scripts/tiny_server.py [ARGS...]`` writes the tiny model (the real ``DeepseekV32ForCausalLM``
+architecture, 2 layers, small dims, a byte-level BPE tokenizer trained here: no hub download) and
+execs the real ``python -m sglang.launch_server`` with the tiny-model defaults, then ``ARGS``
+unchanged (a later flag wins, so ``ARGS`` can override any default). The process tree is upstream
+SGLang's own (tokenizer manager -> scheduler subprocess -> ModelRunner -> NSA backend); only the
+binary kernels that cannot be installed here run as test-only torch references
+(``test/srt/kv_offload/standins/kv_offload_standins.py`` lists them). ``--print-command`` prints the
+command and environment instead of running it (the tests use it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_DIR = ROOT / "test" / "srt" / "kv_offload"
+MODEL_CONFIG = TEST_DIR / "fixtures" / "tiny-deepseek-v32" / "config.json"
+STANDINS = TEST_DIR / "standins"
+CPU_STUBS = TEST_DIR / "cpu_stubs"
+DEFAULT_MODEL_DIR = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cache" / "kv-offload"))
+TOKENIZER_VOCAB = 512
+TOKENIZER_CORPUS_SEED = 0
+
+# What an NSA model needs on this stack: the NSA backend with its sparse prefill/decode kernel, bf16
+# KV, no radix cache (kv offload owns each request's KV), no grammar backend (no xgrammar wheel).
+TINY_DEFAULTS = [
+    "--attention-backend", "nsa",
+    "--nsa-prefill-backend", "flashmla_sparse",
+    "--nsa-decode-backend", "flashmla_sparse",
+    "--kv-cache-dtype", "bfloat16",
+    "--page-size", "64",
+    "--load-format", "dummy",
+    "--disable-radix-cache",
+    "--grammar-backend", "none",
+    "--skip-server-warmup",
+    "--mem-fraction-static", "0.5",
+]  # fmt: skip
+CPU_DEFAULTS = ["--device", "cpu", "--max-total-tokens", "16384"]
+
+
+def _corpus() -> List[str]:
+    import random
+
+    rng = random.Random(TOKENIZER_CORPUS_SEED)
+    words = (
+        "the a of to and in is it you that he was for on are with as his they be at one have this "
+        "from or had by hot word but what some we can out other were all there when up use your "
+        "how said an each she which do their time if will way about many then them write would "
+        "like so these her long make thing see him two has look more day could go come did number "
+        "sound no most people my over know water than call first who may down side been now find"
+    ).split()
+    return [" ".join(rng.choice(words) for _ in range(40)) for _ in range(400)]
+
+
+def write_tiny_model(model_dir: Path) -> Path:
+    """Write ``config.json`` and a byte-level BPE tokenizer into ``model_dir`` (idempotent)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads(MODEL_CONFIG.read_text())
+    stamp = json.dumps([config, TOKENIZER_VOCAB, TOKENIZER_CORPUS_SEED], sort_keys=True)
+    if (model_dir / ".stamp").exists() and (model_dir / ".stamp").read_text() == stamp:
+        return model_dir
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=["<s>", "</s>"],  # ids 0 and 1: the config's bos/eos
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    assert tok.get_vocab_size() <= config["vocab_size"]
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": config["max_position_embeddings"],
+            }
+        )
+    )
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+    (model_dir / ".stamp").write_text(stamp)
+    return model_dir
+
+
+def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None) -> Dict[str, str]:
+    """The environment of the server processes: stand-ins on the path and switched on."""
+    env = dict(os.environ if base is None else base)
+    if cpu is None:
+        cpu = not _has_cuda()
+    paths = [str(STANDINS)]
+    if cpu or os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
+        paths.append(str(CPU_STUBS))
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["KV_OFFLOAD_STANDINS"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if cpu:
+        env["TRITON_INTERPRET"] = "1"  # the Triton kernels (ours and upstream's) on CPU tensors
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # upstream's switch for its CPU code paths
+    return env
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def build_command(
+    args: List[str], model_dir: Optional[Path] = None, cpu: Optional[bool] = None
+) -> Tuple[List[str], Dict[str, str]]:
+    """``python -m sglang.launch_server`` with the tiny model, the defaults and then ``args``."""
+    if cpu is None:
+        cpu = not _has_cuda()
+    model = write_tiny_model(model_dir or DEFAULT_MODEL_DIR / "tiny-deepseek-v32")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model)]
+    cmd += TINY_DEFAULTS + (CPU_DEFAULTS if cpu else []) + list(args)
+    return cmd, server_env(cpu=cpu)
+
+
+def main(argv: List[str]) -> None:
+    print_only = "--print-command" in argv
+    args = [a for a in argv if a != "--print-command"]
+    cmd, env = build_command(args)
+    if print_only:
+        print(shlex.join(cmd))
+        return
+    print("[tiny_server] " + shlex.join(cmd), flush=True)
+    os.execve(cmd[0], cmd, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,12 @@
+"""Installs the test-only kernel stand-ins in every process of the tiny real server.
+
+Active only with ``KV_OFFLOAD_STANDINS=1`` (set by ``scripts/tiny_server.py``); see
+``kv_offload_standins.py`` for what each stand-in replaces.
+"""
+
+import os
+
+if os.environ.get("KV_OFFLOAD_STANDINS") == "1":
+    import kv_offload_standins
+
+    kv_offload_standins.install()
