@@ -43,7 +43,12 @@ TINY_DEFAULTS = [
     "--skip-server-warmup",
     "--mem-fraction-static", "0.5",
 ]  # fmt: skip
-CPU_DEFAULTS = ["--device", "cpu", "--max-total-tokens", "16384"]
+CPU_DEFAULTS = [
+    "--device", "cpu",
+    "--max-total-tokens", "16384",
+    "--max-running-requests", "8",
+    "--context-length", "8192",
+]  # fmt: skip
 
 
 def _corpus() -> List[str]:

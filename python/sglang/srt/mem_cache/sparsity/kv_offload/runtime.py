@@ -38,33 +38,27 @@ def set_coordinator(coordinator) -> None:
     _coordinator = coordinator
 
 
-def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
-    """Build the split device pool, allocator, host pool, controller, LRU and coordinator.
+def build_device_pool(runner, nsa_pool_kwargs: dict):
+    """``ModelRunnerKVCacheMixin._init_pools`` hook: the split NSA device pool.
 
-    Called from ``ModelRunnerKVCacheMixin._init_pools`` in place of the NSA pool. The profiler granted
-    ``max_total_num_tokens`` tokens at the full per-token cost (KV + index); that byte budget is
-    re-split into physical KV rows (sparse slots, decode tails, prompt staging) and logical tokens
-    (index keys only). ``max_total_num_tokens`` becomes what the allocator reports free when idle.
+    Called in place of the NSA pool. The profiler granted ``max_total_num_tokens`` tokens at the
+    full per-token cost (KV + index); that byte budget is re-split into physical KV rows (sparse
+    slots, decode tails, prompt staging) and logical tokens (index keys only). The allocator, host
+    pool, controller and coordinator are built by :func:`build_allocator`, where upstream builds
+    the allocator.
     """
     from sglang.srt.configs.model_config import get_nsa_index_topk
-    from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
-    from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
     from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
         NSA_INDEX_ROW_BYTES,
         KVOffloadNSATokenToKVPool,
-        KVOffloadTokenToKVPoolAllocator,
         kv_row_bytes,
         physical_slots_needed,
         split_gpu_budget,
     )
-    from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
-    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 
     server_args = runner.server_args
     config = KVOffloadConfig.from_json(server_args.kv_offload_config)
-    topk = get_nsa_index_topk(runner.model_config.hf_config)
-    config.check(index_topk=topk)
+    config.check(index_topk=get_nsa_index_topk(runner.model_config.hf_config))
     layers = nsa_pool_kwargs["layer_num"]
     dtype = nsa_pool_kwargs["dtype"]
     store_dtype = torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
@@ -97,13 +91,38 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     pool = KVOffloadNSATokenToKVPool(
         physical_size=sizing.physical_slots, logical_size=sizing.logical_tokens, **kwargs
     )
-    need_sort = server_args.disaggregation_mode in ("decode", "prefill")
+    pool.offload_config = config
+    pool.offload_sizing = sizing
+    return pool
+
+
+def build_allocator(runner, need_sort: bool):
+    """``ModelRunnerKVCacheMixin._init_pools`` hook, where upstream builds the token allocator.
+
+    Builds the split allocator over :func:`build_device_pool`'s pool, the host pool, the controller,
+    the GPU LRU and the coordinator (installed as ``runner.hisparse_coordinator``), and sets
+    ``max_total_num_tokens`` to what the allocator reports free when idle.
+    """
+    from sglang.srt.configs.model_config import get_nsa_index_topk
+    from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
+    from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+        KVOffloadTokenToKVPoolAllocator,
+    )
+    from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
+
+    server_args = runner.server_args
+    pool = runner.token_to_kv_pool
+    config: KVOffloadConfig = pool.offload_config
+    sizing = pool.offload_sizing
     allocator = KVOffloadTokenToKVPoolAllocator(
         sizing.logical_tokens,
         sizing.physical_slots,
-        nsa_pool_kwargs["page_size"],
-        dtype,
-        nsa_pool_kwargs["device"],
+        runner.page_size,
+        runner.kv_cache_dtype,
+        runner.device,
         pool,
         need_sort,
     )
@@ -116,24 +135,29 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
     )
     group_load_config = None
     if config.h2d_programs_per_req:
-        base = default_group_launch_config(torch.device(nsa_pool_kwargs["device"]))
+        base = default_group_launch_config(torch.device(runner.device))
         group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
+    tp_group = getattr(runner, "tp_group", None)
     controller = KVOffloadCacheController(
         allocator,
         host,
-        tp_group=getattr(runner, "tp_group", None),
+        # Backup completion counts are agreed over the CPU (gloo) group, as upstream HiCache does.
+        tp_group=tp_group.cpu_group if tp_group is not None else None,
         group_load_config=group_load_config,
     )
+    # A PD decode server's request pool has pre-allocation rows beyond ``size``; every row that can
+    # reach a decode step needs LRU state.
+    max_reqs = runner.req_to_token_pool.req_to_token.shape[0]
     sparse = SparseCacheState(
-        num_layers=layers,
+        num_layers=pool.layer_num,
         num_logical_locs=allocator.full_to_hisparse_device_index_mapping.numel(),
-        max_reqs=max_running,
+        max_reqs=max_reqs,
         buffer_slots=config.sparse_slots_per_req,
-        topk=topk,
+        topk=get_nsa_index_topk(runner.model_config.hf_config),
         allocator=allocator.hisparse_attn_allocator,
-        device=nsa_pool_kwargs["device"],
+        device=runner.device,
     )
-    max_bs = max(server_args.cuda_graph_max_bs or 0, max_running)
+    max_bs = max(server_args.cuda_graph_max_bs or 0, runner.req_to_token_pool.size)
     coordinator = KVOffloadCoordinator(
         runner.req_to_token_pool.req_to_token,
         allocator,
@@ -144,8 +168,6 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
         pd_direct_to_host=config.pd_direct_to_host,
         status_log_interval=config.status_log_interval,
     )
-    runner.token_to_kv_pool = pool
-    runner.token_to_kv_pool_allocator = allocator
     # The scheduler's token accounting compares the allocator's available_size() (inherited from
     # HiSparse: min(logical, physical) free) with max_total_num_tokens, e.g. in the idle leak check,
     # so the two must agree when nothing is allocated.
@@ -159,12 +181,13 @@ def build_for_model_runner(runner, nsa_pool_kwargs: dict) -> None:
         sizing.index_bytes / 1e9,
         sizing.physical_slots,
         sizing.kv_bytes / 1e9,
-        row,
-        layers,
+        pool.row_bytes,
+        pool.layer_num,
         host.size,
         host.size * host.get_size_per_token() / 1e9,
         config.sparse_slots_per_req,
     )
+    return allocator
 
 
 def prepare_decode_step(batch) -> None:
