@@ -192,6 +192,7 @@ class KVOffloadCacheController(HiCacheController):
                 cancelled=True,
             )
         )
+        self.allocator.host_pending_free += host_cpu.numel()
 
     # ------------------------------------------------------------------ backups
     def backup(
@@ -349,6 +350,7 @@ class KVOffloadCacheController(HiCacheController):
         for h in done:
             h.done = True
             if h.cancelled:
+                self.allocator.host_pending_free -= h.num_tokens
                 self.mem_pool_host.free(h.host_slots)
                 continue
             self.allocator.set_host_locs(h.logical_locs, h.host_slots_device)
@@ -365,6 +367,7 @@ class KVOffloadCacheController(HiCacheController):
         if handle.done or handle.cancelled:
             return False
         handle.cancelled = True
+        self.allocator.host_pending_free += handle.num_tokens
         return True
 
     def cancel_tag(self, tag: Hashable) -> int:

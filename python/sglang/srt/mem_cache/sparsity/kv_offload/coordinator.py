@@ -29,9 +29,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
+    STAT_NAMES,
     PlanWorkspace,
     plan_layer,
     topk_positions_to_locs,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import (
+    ERR_MISS_NOT_ON_HOST,
+    ERR_SLOT_OVERFLOW,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
@@ -59,6 +64,11 @@ class KVOffloadCoordinator:
         sparse_cache: the GPU LRU state; its slot allocator is the physical allocator.
         max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace.
         pd_direct_to_host: PD prompts arrive in host pages (:meth:`admit_from_host`), not GPU rows.
+        forward_stream: the stream the model runner's forwards run on (``ModelRunner.forward_stream``).
+            Under the overlap scheduler the scheduler-side calls run while the previous batch's
+            forward is still in flight; each first makes the current stream wait for this one, so
+            their device work (backups of pages that forward writes, LRU and mapping updates it
+            reads, slot and row reuse) is ordered after it, as HiSparse's producer-stream waits do.
         grouped_loads: load each request's misses with its own programs (row-packed miss list and
             ``copy_rows_grouped``) instead of one strided pass over a compact list (the default).
             Grouped is faster when the host pool is small enough for warm address translation
@@ -82,6 +92,7 @@ class KVOffloadCoordinator:
         grouped_loads: bool = False,
         pd_direct_to_host: bool = False,
         status_log_interval: int = 0,
+        forward_stream: Optional[torch.Stream] = None,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -93,6 +104,7 @@ class KVOffloadCoordinator:
         self.max_bs = max_bs
         self.grouped_loads = grouped_loads
         self.pd_direct_to_host = pd_direct_to_host
+        self.forward_stream = forward_stream if self.device.type == "cuda" else None
         self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; hooks set it before replay.
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
@@ -101,6 +113,14 @@ class KVOffloadCoordinator:
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
+        # The plan's counters and error flags, copied to the host after each step's forward and
+        # read one step later, so reading them never waits for the device.
+        self._device_report = torch.zeros(
+            (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+        )
+        self._device_report_event: Optional[torch.cuda.Event] = None
+        self._error_flags_seen = 0
+        self.initial_free = self.allocator.free_counts()
         self.stats = {
             "admitted": 0,
             "admitted_from_host": 0,
@@ -146,6 +166,7 @@ class KVOffloadCoordinator:
         r = int(req_pool_idx)
         if r in self.requests:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
+        self._after_inflight_forward()
         n = int(seq_len)
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
@@ -175,6 +196,7 @@ class KVOffloadCoordinator:
         r = int(req_pool_idx)
         if r in self.requests:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
+        self._after_inflight_forward()
         n = int(prompt_len)
         page = self.page_size
         full = n // page * page
@@ -218,18 +240,31 @@ class KVOffloadCoordinator:
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
 
-    def before_decode_step(self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> None:
+    def before_decode_step(
+        self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]
+    ) -> List[Tuple[int, str]]:
         """Between forwards: complete finished backups, back up newly completed pages, grow slots.
 
         ``seq_lens`` are the lengths including the token about to be decoded (whose logical loc and
         tail row are already allocated, but whose KV the coming forward writes): only the
         ``seq_len - 1`` written positions are backed up, so a page completed by that token waits for
         the next step.
+
+        Returns ``(req_pool_idx, reason)`` for requests that must fail now rather than attend
+        rows they could not be given: slots that could not grow with the context, or a plan error
+        flag raised by an earlier step (then every request of the step).
         """
+        self._after_inflight_forward()
         self.poll()
         self.decode_steps += 1
         if self.status_log_interval and self.decode_steps % self.status_log_interval == 0:
             logger.info("%s", self.status_line())
+        failed: List[Tuple[int, str]] = []
+        new_errors = self._read_device_report()
+        if new_errors:
+            reason = self._describe_errors(new_errors)
+            logger.error("kv_offload: %s; failing the %d running requests", reason, len(seq_lens))
+            failed = [(int(r), reason) for r in req_pool_indices]
         reqs = []
         for r, n in zip(req_pool_indices, seq_lens):
             req = self.requests.get(int(r))
@@ -237,9 +272,12 @@ class KVOffloadCoordinator:
                 continue  # not offloaded (e.g. admitted in this very step by the caller later)
             req.seq_len = int(n)
             req.written_len = int(n) - 1
-            self._grant_slots(req)
+            if not self._grant_slots(req):
+                failed.append((req.req_pool_idx, self._no_slots_reason(req)))
             reqs.append(req)
         self._start_backups(reqs)
+        self._launch_device_report()
+        return failed
 
     def status_line(self) -> str:
         """One line of offload state for the log (host-side counters only: no device sync)."""
@@ -271,6 +309,7 @@ class KVOffloadCoordinator:
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
             return False
+        self._after_inflight_forward()
         self.sparse_cache.release(req.req_pool_idx)
         self.controller.cancel_tag(req.req_pool_idx)
         if free_kv and req.seq_len > 0:
@@ -338,13 +377,82 @@ class KVOffloadCoordinator:
         return plan.out_indices
 
     # ------------------------------------------------------------------ helpers
-    def _grant_slots(self, req: OffloadedRequest) -> None:
+    def _after_inflight_forward(self) -> None:
+        """Order the current stream's next work after every forward launched so far (no host
+        sync). The caller then changes state those forwards read or write."""
+        if self.forward_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.forward_stream)
+
+    def _grant_slots(self, req: OffloadedRequest) -> bool:
+        """Slots for ``req``'s context; False only when it holds slots that could not grow (it
+        would overflow them). A request without slots yet keeps its KV in tail rows and waits."""
         if req.has_slots:
-            self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
-            return
+            return self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
         req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
         if not req.has_slots and not self._slots_from_own_tail(req):
             logger.debug("kv_offload: no sparse slots for req %d yet", req.req_pool_idx)
+        return True
+
+    def _no_slots_reason(self, req: OffloadedRequest) -> str:
+        return (
+            f"kv offload could not grow the sparse slots of this request to "
+            f"{self.sparse_cache.slots_for(req.seq_len)} rows at {req.seq_len} tokens "
+            f"({self.allocator.physical_available_size()} GPU KV rows free); raise "
+            "sparse_pool_slots (or leave it 0) in --kv-offload-config or lower "
+            "--max-running-requests"
+        )
+
+    @staticmethod
+    def _describe_errors(flags: int) -> str:
+        parts = []
+        if flags & ERR_SLOT_OVERFLOW:
+            parts.append("a request's top-k needed more sparse slots than it holds")
+        if flags & ERR_MISS_NOT_ON_HOST:
+            parts.append("a top-k token was neither on the GPU nor backed up on the host")
+        return "kv offload plan error (" + "; ".join(parts) + ")"
+
+    def _launch_device_report(self) -> None:
+        """Copy the plan counters and error flags to the host behind the coming forward."""
+        report = torch.cat([self.workspace.stats, self.workspace.error_flags.to(torch.int64)])
+        self._device_report.copy_(report, non_blocking=True)
+        if self.device.type == "cuda":
+            self._device_report_event = torch.cuda.Event()
+            self._device_report_event.record()
+
+    def _read_device_report(self) -> int:
+        """Error flags first seen in the last completed report (0 if none or not ready)."""
+        event = self._device_report_event
+        if event is not None and not event.query():
+            return 0
+        flags = int(self._device_report[-1])
+        new = flags & ~self._error_flags_seen
+        self._error_flags_seen |= flags
+        return new
+
+    def device_counters(self) -> Dict[str, int]:
+        """The plan's running counters as of the last completed report (no device sync)."""
+        out = dict(zip(STAT_NAMES, self._device_report.tolist()))
+        out["loaded_bytes"] = out["loaded"] * self.controller.mem_pool_device.row_bytes
+        return out
+
+    def offload_state(self) -> Dict[str, object]:
+        """What ``GET /get_server_info`` reports as ``internal_states[i]["kv_offload"]``: free
+        counts now and at start (equal when nothing leaked), live requests and counters."""
+        self._after_inflight_forward()
+        self.poll()
+        return {
+            "free": self.allocator.free_counts(),
+            "initial_free": dict(self.initial_free),
+            "host_pending_free": self.allocator.host_pending_free,
+            "requests": len(self.requests),
+            "promised": len(self.reservations),
+            "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
+            "backups_in_flight": len(self.controller.inflight),
+            "decode_steps": self.decode_steps,
+            "error_flags": self._error_flags_seen,
+            **self.stats,
+            **self.device_counters(),
+        }
 
     def _slots_from_own_tail(self, req: OffloadedRequest) -> bool:
         """Last resort when the pool has no slots for ``req``: back up its own complete pages now

@@ -249,6 +249,8 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         )
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
         self.host_pool = None
+        # Host slots of cancelled backups, returned when their copy completes (controller.poll).
+        self.host_pending_free = 0
         self.free_pages = None
         self.release_pages = None
         self.is_not_in_free_group = True
@@ -275,6 +277,24 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     def physical_available_size(self) -> int:
         return self.hisparse_attn_allocator.available_size()
+
+    def available_size(self) -> int:
+        """Tokens new requests may still take (what the scheduler's admission and retraction and
+        its idle leak check read).
+
+        An offloaded token holds a logical loc (its index keys) and, once its page is backed up, a
+        host slot; it holds a GPU KV row only while it is in a decode tail, a sparse slot or a
+        prompt being staged, which are gated per request (``runtime.can_stage_prefill``,
+        ``runtime.pd_can_admit``). So this is the logical free count, capped by the host slots not
+        yet owed to allocated tokens that have no backup yet. Host slots of cancelled backups
+        count as free: they return at the next completion poll.
+        """
+        logical_free = self.logical_available_size()
+        if self.host_pool is None:
+            return min(logical_free, self.physical_available_size())
+        host_free = self.host_pool.available_size() + self.host_pending_free
+        unbacked = (self.logical_size - logical_free) - (self.host_pool.size - host_free)
+        return max(0, min(logical_free, host_free - max(0, unbacked)))
 
     def free_counts(self) -> Dict[str, int]:
         """Free slots of every allocator involved (what leak checks compare)."""

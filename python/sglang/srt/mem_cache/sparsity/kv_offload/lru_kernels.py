@@ -35,6 +35,13 @@ from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
 
 logger = logging.getLogger(__name__)
 
+# Indices of PlanWorkspace.stats, counters accumulated over every plan since start.
+STAT_SELECTED = tl.constexpr(0)  # valid top-k entries
+STAT_HITS = tl.constexpr(1)  # resident in a sparse slot
+STAT_TAIL = tl.constexpr(2)  # read in place from a GPU tail row
+STAT_LOADED = tl.constexpr(3)  # loaded host -> device
+STAT_NAMES = ("selected", "hits", "tail", "loaded")
+
 
 @triton.jit
 def _plan_layer_kernel(
@@ -60,6 +67,7 @@ def _plan_layer_kernel(
     mark_ptr,
     vict_ptr,
     err_ptr,
+    stats_ptr,
     K,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -159,6 +167,11 @@ def _plan_layer_kernel(
         tl.store(miss_host_ptr + dst_off, host, mask=ok)
         tl.store(miss_dst_ptr + dst_off, phys, mask=ok)
         tl.store(num_miss_ptr + b, Mt)
+        # Running counters (selected, hits, tail reads, loads) for the operator's metrics.
+        tl.atomic_add(stats_ptr + STAT_SELECTED, tl.sum(valid.to(tl.int64), axis=0))
+        tl.atomic_add(stats_ptr + STAT_HITS, tl.sum(hit.to(tl.int64), axis=0))
+        tl.atomic_add(stats_ptr + STAT_TAIL, tl.sum(is_tail.to(tl.int64), axis=0))
+        tl.atomic_add(stats_ptr + STAT_LOADED, Mt.to(tl.int64))
         if M > E:
             tl.atomic_or(err_ptr, 1)
         bad = tl.sum((ok & (host < 0)).to(tl.int32), axis=0)
@@ -187,6 +200,7 @@ class PlanWorkspace:
         self.num_misses = torch.zeros((max_bs,), dtype=torch.int32, device=dev)
         self.miss_count = torch.zeros((1,), dtype=torch.int32, device=dev)
         self.error_flags = torch.zeros((1,), dtype=torch.int32, device=dev)
+        self.stats = torch.zeros((len(STAT_NAMES),), dtype=torch.int64, device=dev)
         self._mark = torch.zeros((max_bs, self.block_s), dtype=torch.int32, device=dev)
         self._vict = torch.zeros((max_bs, self.block_k), dtype=torch.int32, device=dev)
 
@@ -271,6 +285,7 @@ def plan_layer(
         ws._mark,
         ws._vict,
         ws.error_flags,
+        ws.stats,
         K,
         BLOCK_K=ws.block_k,
         BLOCK_S=ws.block_s,

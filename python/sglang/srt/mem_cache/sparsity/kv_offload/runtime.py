@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import List, Optional, Tuple
+from http import HTTPStatus
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
@@ -79,6 +80,16 @@ def build_device_pool(runner, nsa_pool_kwargs: dict):
                 f"{config.sparse_slots_per_req} + 2 tail pages) need {floor}. Set it to 0 (auto) "
                 f"or at least {floor}."
             )
+    # Otherwise any prompt the server accepts must be able to stage in GPU rows beside one
+    # request's promise (sparse slots + 2 tail pages), or it would wait for ever.
+    elif physical < physical_slots_needed(1, config.sparse_slots_per_req, staging):
+        floor = physical_slots_needed(1, config.sparse_slots_per_req, staging)
+        raise KVOffloadConfigError(
+            f"--kv-offload-config: sparse_pool_slots={physical} cannot stage a prompt of the "
+            f"context length ({staging} tokens) beside one request's sparse slots "
+            f"(sparse_slots_per_req={config.sparse_slots_per_req} + 2 tail pages): it needs at "
+            f"least {floor}. Set it to 0 (auto), at least {floor}, or lower --context-length."
+        )
     sizing = split_gpu_budget(
         budget,
         layers,
@@ -167,11 +178,12 @@ def build_allocator(runner, need_sort: bool):
         grouped_loads=config.h2d_programs_per_req > 0,
         pd_direct_to_host=config.pd_direct_to_host,
         status_log_interval=config.status_log_interval,
+        forward_stream=getattr(runner, "forward_stream", None),
     )
-    # The scheduler's token accounting compares the allocator's available_size() (inherited from
-    # HiSparse: min(logical, physical) free) with max_total_num_tokens, e.g. in the idle leak check,
-    # so the two must agree when nothing is allocated.
-    runner.max_total_num_tokens = min(sizing.logical_tokens, sizing.physical_slots)
+    # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
+    # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
+    # must agree when nothing is allocated.
+    runner.max_total_num_tokens = allocator.available_size()
     runner.hisparse_coordinator = coordinator
     set_coordinator(coordinator)
     logger.info(
@@ -200,6 +212,8 @@ def prepare_decode_step(batch) -> None:
     coordinator = get_coordinator()
     if coordinator is None:
         return
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
     req_pool_indices = [req.req_pool_idx for req in batch.reqs]
     seq_lens = batch.seq_lens_cpu.tolist()
     mapping = coordinator.allocator.full_to_hisparse_device_index_mapping
@@ -214,7 +228,38 @@ def prepare_decode_step(batch) -> None:
                 )
             # The token about to be decoded has a loc but no KV yet.
             coordinator.admit(r, n, written_len=n - 1)
-    coordinator.before_decode_step(req_pool_indices, seq_lens)
+    failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens))
+    for req in batch.reqs:
+        reason = failed.get(req.req_pool_idx)
+        if reason is not None and not req.finished():
+            # This step's output of the request is discarded and it ends with the error.
+            req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
+
+
+def can_stage_prefill(req, scheduled: Sequence) -> bool:
+    """``PrefillAdder.add_one_req`` hook (co-located servers), before ``req`` joins a prefill batch.
+
+    The scheduler's token budget (``available_size``) counts logical tokens and host slots; this
+    gate checks the GPU KV rows: the rest of ``req``'s prompt stages in GPU rows until its pages
+    are backed up, and once decoding it may hold its sparse slots and two tail pages. Both must
+    fit beside the rows promised to running requests and to the requests already scheduled in
+    this batch (``scheduled``). False makes the request wait, as a short token budget does.
+    """
+    coordinator = _require_coordinator()
+    page = coordinator.page_size
+
+    def rows(r) -> int:
+        staging = -(-(len(r.fill_ids) - len(r.prefix_indices)) // page) * page
+        promised = r.req_pool_idx is not None and r.req_pool_idx in coordinator.reservations
+        return staging + (0 if promised else coordinator.rows_promised)
+
+    need = rows(req) + sum(rows(r) for r in scheduled)
+    return coordinator.unreserved_physical_rows() >= need
+
+
+def internal_state() -> Dict[str, object]:
+    """``Scheduler.get_internal_state`` hook: the ``kv_offload`` entry of ``/get_server_info``."""
+    return _require_coordinator().offload_state()
 
 
 def release_request(req_pool_idx: Optional[int]) -> None:
@@ -265,16 +310,6 @@ def _stages_on_gpu(coordinator, req) -> bool:
     GPU rows and admitted like a staged prompt, in both modes.
     """
     return not coordinator.pd_direct_to_host or len(req.output_ids) > 0
-
-
-def pd_available_tokens() -> int:
-    """``DecodePreallocQueue._allocatable_tokens`` hook: the tokens new PD requests may take.
-
-    An offloaded request holds index keys (logical locs) and host slots for its whole context, and
-    only a bounded number of GPU KV rows; those are checked per request by :func:`pd_can_admit`.
-    """
-    allocator = _require_coordinator().allocator
-    return min(allocator.logical_available_size(), allocator.host_pool.available_size())
 
 
 def pd_can_admit(req) -> bool:
