@@ -2,13 +2,18 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: demo test build check fmt
+.PHONY: demo test build check fmt serve-tiny
 
 build:
 	$(PY) scripts/kv_offload_tree.py build
 
 demo: build
 	$(VENV)/bin/python scripts/demo.py
+
+# The real `python -m sglang.launch_server` on a tiny random-weight DeepSeek-V3.2 (CPU here, GPU where
+# there is one); ARGS go to launch_server unchanged, e.g. ARGS="--port 30000 --enable-kv-offload".
+serve-tiny: build
+	$(VENV)/bin/python scripts/tiny_server.py $(ARGS)
 
 test: build
 	$(VENV)/bin/python -m pytest -q test/srt/kv_offload $(PYTEST_ARGS)

@@ -76,7 +76,7 @@ def _pool_kwargs(layers: int) -> Dict[str, Any]:
 
 
 class OffloadStack:
-    """The kv_offload objects a model runner builds (runtime.build_for_model_runner), sized here."""
+    """The kv_offload objects a model runner builds (runtime.build_device_pool + build_allocator), sized here."""
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ Runs twice: with the prompt KV destination on the GPU (physical pages, backed up
 and with ``pd_direct_to_host`` (host pool pages, no GPU staging, no backup). Three spawned processes
 per run (the pytest process only orchestrates):
 
-- decode: the kv offload pools and coordinator built by ``runtime.build_for_model_runner`` (fp8 656 B
+- decode: the kv offload pools and coordinator built by ``runtime.build_device_pool`` + ``runtime.build_allocator`` (fp8 656 B
   rows, 2 layers); registers the KV buffers the patched ``_init_kv_manager`` registers
   (``runtime.pd_kv_buf_infos``: device pool, or host pool) and the index-state buffers (logical pages)
   with sglang's ``MooncakeTransferEngine``; pre-allocates requests through the patched

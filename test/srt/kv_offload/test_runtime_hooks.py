@@ -42,6 +42,9 @@ def make_runner(max_total_tokens=4096, max_reqs=4, config=None):
         max_total_num_tokens=max_total_tokens,
         req_to_token_pool=ReqToTokenPool(max_reqs, 2048, "cpu", False),
         hisparse_coordinator=None,
+        page_size=P,
+        kv_cache_dtype=torch.float8_e4m3fn,
+        device="cpu",
     )
     nsa_pool_kwargs = dict(
         size=max_total_tokens,
@@ -57,7 +60,9 @@ def make_runner(max_total_tokens=4096, max_reqs=4, config=None):
         end_layer=None,
         index_head_dim=128,
     )
-    runtime.build_for_model_runner(runner, nsa_pool_kwargs)
+    # The two hooks of ModelRunnerKVCacheMixin._init_pools, in upstream's order.
+    runner.token_to_kv_pool = runtime.build_device_pool(runner, nsa_pool_kwargs)
+    runner.token_to_kv_pool_allocator = runtime.build_allocator(runner, need_sort=True)
     return runner
 
 
@@ -92,8 +97,9 @@ def test_build_replaces_the_pool_and_resplits_the_budget():
     kv = pool.physical_size * 656 * LAYERS
     expect_logical = (budget - kv) // ((132 + 4) * LAYERS) // P * P
     assert pool.logical_size == expect_logical > 4096
-    # What the scheduler's idle leak check compares: free tokens when nothing is allocated.
-    assert runner.max_total_num_tokens == allocator.available_size() == pool.physical_size
+    # What the scheduler's idle leak check compares: free tokens when nothing is allocated, i.e.
+    # logical tokens capped by host slots (the host pool holds one slot per logical token here).
+    assert runner.max_total_num_tokens == allocator.available_size() == pool.logical_size
     assert runner.hisparse_coordinator is runtime.get_coordinator()
     assert allocator.host_pool is not None and allocator.host_pool.size >= pool.logical_size
     runtime.set_coordinator(None)

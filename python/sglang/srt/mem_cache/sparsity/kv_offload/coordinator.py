@@ -128,6 +128,7 @@ class KVOffloadCoordinator:
             "backup_tokens": 0,
             "deferred_backups": 0,
             "forced_backups": 0,
+            "prefill_waits": 0,
         }
 
     # ------------------------------------------------------------------ admission control
@@ -191,7 +192,7 @@ class KVOffloadCoordinator:
         Sparse slots are granted first: every prompt row is on the host, so without slots nothing
         could be read. Raises RuntimeError, with nothing changed, when the prompt is not on the host
         or the physical pool cannot give the slots and the tail page (the pool is sized so that it
-        can; see ``build_for_model_runner``).
+        can; see ``runtime.build_device_pool``).
         """
         r = int(req_pool_idx)
         if r in self.requests:

@@ -332,6 +332,38 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.full_to_hisparse_device_index_mapping[logical] = physical
         return logical
 
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        """Logical locs for a prefill or staged transfer, each with a physical row behind it.
+
+        Upstream HiSparse's allocation; the capacity check is on the two pools it takes from
+        (``available_size`` is the scheduler's budget, which also counts host slots).
+        """
+        need = extend_num_tokens + len(seq_lens) * self.page_size
+        if need > min(self.logical_available_size(), self.physical_available_size()):
+            return None
+        logical = self.logical_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
+        )
+        physical = self.hisparse_attn_allocator.alloc_extend(
+            prefix_lens,
+            prefix_lens_cpu,
+            seq_lens,
+            seq_lens_cpu,
+            self.get_last_loc_hisparse_device(last_loc),
+            len(logical),
+        )
+        assert logical is not None and physical is not None
+        self.full_to_hisparse_device_index_mapping[logical] = physical
+        return logical
+
     def alloc_extend_to_host(self, num_tokens: int) -> Optional[torch.Tensor]:
         """PD direct-to-host pre-allocation for a new request's positions ``[0, num_tokens)``.
 

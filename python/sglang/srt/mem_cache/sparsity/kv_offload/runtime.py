@@ -254,7 +254,10 @@ def can_stage_prefill(req, scheduled: Sequence) -> bool:
         return staging + (0 if promised else coordinator.rows_promised)
 
     need = rows(req) + sum(rows(r) for r in scheduled)
-    return coordinator.unreserved_physical_rows() >= need
+    if coordinator.unreserved_physical_rows() >= need:
+        return True
+    coordinator.stats["prefill_waits"] += 1
+    return False
 
 
 def internal_state() -> Dict[str, object]:

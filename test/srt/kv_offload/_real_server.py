@@ -1,0 +1,158 @@
+"""Start the tiny real server (``scripts/tiny_server.py``) as a subprocess and talk HTTP to it.
+
+Everything the end-to-end tests learn about the server comes through its HTTP API (``/generate``,
+``/abort_request``, ``/server_info``, whose ``internal_states[0]["kv_offload"]`` is the documented
+offload state) or its log lines; nothing reaches into its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "scripts"))
+import tiny_server  # noqa: E402
+
+START_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 600
+IDLE_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TinyServer:
+    """One ``python -m sglang.launch_server`` process tree on the tiny model."""
+
+    def __init__(
+        self, args: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = list(args)
+        self.log_path = log_path
+        cmd, server_env = tiny_server.build_command(self.args + ["--port", str(self.port)])
+        server_env.update(env or {})
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, env=server_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    # ------------------------------------------------------------------ life cycle
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "TinyServer":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    # ------------------------------------------------------------------ requests
+    def generate(
+        self, input_ids: List[int], max_new_tokens: int, rid: Optional[str] = None
+    ) -> Dict:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        if rid is not None:
+            body["rid"] = rid
+        r = requests.post(self.url + "/generate", json=body, timeout=REQUEST_TIMEOUT_S)
+        return r.json()
+
+    def generate_stream(self, input_ids: List[int], max_new_tokens: int) -> Dict:
+        """Streaming ``/generate``; returns the last chunk (its ``output_ids`` are all tokens)."""
+        body = {
+            "input_ids": input_ids,
+            "stream": True,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        last, chunks = None, 0
+        with requests.post(
+            self.url + "/generate", json=body, stream=True, timeout=REQUEST_TIMEOUT_S
+        ) as r:
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                last = json.loads(line[5:])
+                chunks += 1
+        last["chunks"] = chunks
+        return last
+
+    def generate_many(self, prompts: List[List[int]], max_new_tokens: int) -> List[Dict]:
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(lambda p: self.generate(p, max_new_tokens), prompts))
+
+    def abort(self, rid: str) -> None:
+        requests.post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
+
+    def server_info(self) -> Dict:
+        return requests.get(self.url + "/server_info", timeout=60).json()
+
+    def offload_state(self) -> Dict:
+        return self.server_info()["internal_states"][0]["kv_offload"]
+
+    def wait_no_leak(self, timeout: float = IDLE_TIMEOUT_S) -> Dict:
+        """Wait until the server is idle and every free count is back at its start value.
+
+        Returns the last offload state; raises AssertionError naming what did not come back.
+        """
+        deadline = time.time() + timeout
+        while True:
+            state = self.offload_state()
+            if state["requests"] == 0 and state["free"] == state["initial_free"]:
+                return state
+            if time.time() > deadline:
+                raise AssertionError(f"kv offload free counts not back at start: {state}")
+            time.sleep(1)
+
+    def max_running_seen(self) -> int:
+        found = re.findall(r"Decode batch, #running-req: (\d+)", self.log())
+        return max((int(x) for x in found), default=0)

@@ -1,0 +1,59 @@
+"""Test-only fault injection for the tiny real server (never a stand-in for a kernel).
+
+Enabled per server process by environment variables (see ``sitecustomize.py``):
+
+* ``KV_OFFLOAD_TEST_CORRUPT_LOADS=1``: every row loaded host -> device comes from the next host
+  slot instead of its own (the negative control: the token comparison must then fail).
+* ``KV_OFFLOAD_TEST_FORWARD_DELAY_CYCLES=N`` (CUDA): every forward first spins ``N`` GPU cycles on
+  its stream, so under the overlap scheduler the scheduler's work for the next batch runs while
+  this forward has not yet written or read anything (widens every race window).
+* ``KV_OFFLOAD_TEST_DROP_FORWARD_ORDERING=1``: the coordinator's scheduler-side work no longer
+  waits for the in-flight forward (shows that the ordering is what keeps tokens right).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict
+
+import torch
+
+
+def _corrupt_loads(module) -> None:
+    cls = module.KVOffloadCacheController
+    load_one_layer = cls.load_one_layer
+
+    def load_from_wrong_slot(self, layer_id, host_indices, device_slots, *args, **kwargs):
+        shifted = (host_indices + 1).clamp_max(self.mem_pool_host.size - 1)
+        wrong = torch.where(host_indices >= 0, shifted, host_indices)
+        return load_one_layer(self, layer_id, wrong, device_slots, *args, **kwargs)
+
+    cls.load_one_layer = load_from_wrong_slot
+
+
+def _delay_forwards(cycles: int) -> Callable:
+    def patch(module) -> None:
+        forward = module.ModelRunner.forward
+
+        def delayed_forward(self, *args, **kwargs):
+            torch.cuda._sleep(cycles)
+            return forward(self, *args, **kwargs)
+
+        module.ModelRunner.forward = delayed_forward
+
+    return patch
+
+
+def _drop_forward_ordering(module) -> None:
+    module.KVOffloadCoordinator._after_inflight_forward = lambda self: None
+
+
+def register(patches: Dict[str, Callable]) -> None:
+    """Add the faults selected by the environment to the stand-ins' import-time patches."""
+    if os.environ.get("KV_OFFLOAD_TEST_CORRUPT_LOADS") == "1":
+        patches["sglang.srt.mem_cache.sparsity.kv_offload.controller"] = _corrupt_loads
+    cycles = int(os.environ.get("KV_OFFLOAD_TEST_FORWARD_DELAY_CYCLES", "0"))
+    if cycles > 0:
+        patches["sglang.srt.model_executor.model_runner"] = _delay_forwards(cycles)
+    if os.environ.get("KV_OFFLOAD_TEST_DROP_FORWARD_ORDERING") == "1":
+        patches["sglang.srt.mem_cache.sparsity.kv_offload.coordinator"] = _drop_forward_ordering
