@@ -25,6 +25,7 @@ TEST_DIR = ROOT / "test" / "srt" / "kv_offload"
 MODEL_CONFIG = TEST_DIR / "fixtures" / "tiny-deepseek-v32" / "config.json"
 STANDINS = TEST_DIR / "standins"
 CPU_STUBS = TEST_DIR / "cpu_stubs"
+GPU_STUBS = TEST_DIR / "gpu_stubs"
 DEFAULT_MODEL_DIR = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cache" / "kv-offload"))
 TOKENIZER_VOCAB = 512
 TOKENIZER_CORPUS_SEED = 0
@@ -49,6 +50,17 @@ CPU_DEFAULTS = [
     "--max-running-requests", "8",
     "--context-length", "8192",
 ]  # fmt: skip
+# A CUDA machine without sgl_kernel, flashinfer and DeepGEMM (the lent GPU box): import placeholders
+# (cpu_stubs/sgl_kernel with every name, gpu_stubs/flashinfer), the G* stand-ins of
+# kv_offload_standins.py, and upstream switches that select its existing torch/Triton paths.
+GPU_NO_KERNELS_ENV = {
+    "KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES": "1",
+    "SGLANG_IS_FLASHINFER_AVAILABLE": "0",  # no flashinfer norm/sampling/top-k paths
+    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",  # indexer head-gate GEMM in torch, no DeepGEMM warm-up
+    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",  # sparse MLA prefill, no FA3 MHA
+    "SGLANG_USE_FUSED_METADATA_COPY": "0",  # NSA graph-replay metadata by torch copies, not JIT
+    "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+}
 
 
 def _corpus() -> List[str]:
@@ -107,7 +119,11 @@ def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None
     if cpu is None:
         cpu = not _has_cuda()
     paths = [str(STANDINS)]
-    if cpu or os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
+    no_kernels = not cpu and _lacks_gpu_kernels(env)
+    if no_kernels:
+        env.update(GPU_NO_KERNELS_ENV)
+        paths.append(str(GPU_STUBS))
+    if cpu or no_kernels:
         paths.append(str(CPU_STUBS))
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -119,6 +135,15 @@ def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None
         env["TRITON_INTERPRET"] = "1"  # the Triton kernels (ours and upstream's) on CPU tensors
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # upstream's switch for its CPU code paths
     return env
+
+
+def _lacks_gpu_kernels(env: Dict[str, str]) -> bool:
+    """True on a CUDA machine without the real sgl_kernel (the stub counts as missing)."""
+    if env.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("sgl_kernel") is None
 
 
 def _has_cuda() -> bool:

@@ -35,7 +35,50 @@ S9    ``jit_kernel.fused_store_index_cache`` (JIT, CUDA)      upstream's own fal
 S10   CPU only: ``DeepseekScalingRotaryEmbedding``'s torch    the same maths with 2-D inputs viewed as
       path broadcasts a 2-D key ``[T, d]`` to ``[T, T, d]``     ``[T, 1, d]`` (the indexer's key is 2-D;
       (the GPU uses the CUDA rope kernel)                     upstream CPU bug)
+G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``     upstream's own ``RMSNorm.forward_native``
+      (``RMSNorm.forward_cuda``)
+G2    CUDA: ``sgl_kernel.silu_and_mul``                       upstream's own ``SiluAndMul.forward_native``
+      (``SiluAndMul.forward_cuda``)
+G3    CUDA: JIT ``apply_rope_with_cos_sin_cache_inplace``      the S10 torch rope (same maths, returns
+      (``DeepseekScalingRotaryEmbedding.forward_cuda``)       new tensors as upstream's torch path does)
+G4    CUDA: ``sgl_kernel.moe_fused_gate`` (and flashinfer's    :func:`moe_fused_gate`: upstream's
+      ``fused_topk_deepseek``, switched off)                  ``biased_grouped_topk_impl`` maths,
+                                                             renormalised; also defined as the torch op
+                                                             ``sgl_kernel::moe_fused_gate`` (topk.py
+                                                             registers a fake for it at import)
+G5    CUDA: the Triton fused-MoE runner (``sgl_kernel``         :func:`fused_moe_dense`: every expert on
+      ``moe_align_block_size``, ``silu_and_mul``,             every token, combined with the top-k
+      ``moe_sum_reduce``) (``UnquantizedFusedMoEMethod``)      weights (0 elsewhere) and
+                                                             ``routed_scaling_factor`` (fixed shapes)
+G6    CUDA: JIT ``resolve_future_token_ids_cuda`` and          upstream's torch fallbacks in the same
+      ``clamp_position_cuda``                                 modules
+G7    CUDA: ``sgl_kernel.concat_mla_absorb_q``                 ``torch.cat`` (upstream's own fallback)
+C1    CPU only, for speed: upstream Triton kernels that run   torch of the same maths: the KV row write
+      per token in the Triton interpreter (100x slower):      (``set_mla_kv_buffer_triton``), the index
+      ``set_mla_kv_buffer_triton``, ``SetKAndS.triton``,       key + scale write into the paged index
+      ``nsa.triton_kernel.act_quant``                          buffer (:func:`set_index_k_and_scale`),
+                                                             the indexer's block fp8 quantiser
+                                                             (:func:`act_quant`)
 ====  =====================================================  =========================================
+
+On a CUDA machine without ``sgl_kernel`` (the lent GPU box) the server also needs ``cpu_stubs/``
+(``sgl_kernel`` import placeholders, ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``), ``gpu_stubs/``
+(``flashinfer`` import placeholders) and upstream switches that select existing torch/Triton paths
+(``scripts/tiny_server.py``'s ``server_env`` sets them): ``SGLANG_IS_FLASHINFER_AVAILABLE=0``,
+``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (the indexer's head-gate GEMM in torch),
+``SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0`` (no FA3 MHA prefill: sparse MLA prefill as on the
+CPU), ``SGLANG_USE_FUSED_METADATA_COPY=0`` and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``.
+
+Batch invariance: the indexer logits and the sparse attention are computed in float64 and rounded
+once, so a request's tokens do not depend on which requests it is batched with (an fp32 matmul's
+reduction order changes with the batch shape on the CPU, and greedy tokens then differ between a
+request run alone and the same request batched, with or without kv offload). The end-to-end tests
+compare every request with the flag-off server running it alone.
+
+Every reference runs inside CUDA graph capture: fixed shapes, no ``.item()``/host sync, no host to
+device copies during capture (the Hadamard matrix is built on the device and cached outside capture).
+Large intermediate products (the prefill logits and the sparse attention gather) are computed in row
+chunks of at most ``CHUNK_ELEMENTS`` elements; the chunking depends on shapes only.
 """
 
 from __future__ import annotations
@@ -53,6 +96,14 @@ import torch
 # values, then 64 fp32 scales).
 INDEX_PAGE_TOKENS = 64
 INDEX_HEAD_DIM = 128
+# Largest intermediate (elements) a reference materialises at once; larger products go in row chunks.
+CHUNK_ELEMENTS = 1 << 28
+
+
+def _row_chunks(rows: int, elements_per_row: int):
+    """Row slices covering ``rows`` with at most ``CHUNK_ELEMENTS`` elements each (shape-only)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, elements_per_row))
+    return [slice(i, min(rows, i + step)) for i in range(0, rows, step)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,14 +112,22 @@ INDEX_HEAD_DIM = 128
 _HADAMARD: Dict[Tuple[int, torch.device], torch.Tensor] = {}
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
     key = (n, device)
-    if key not in _HADAMARD:
-        h = torch.ones(1, 1, dtype=torch.float32)
+    h = _HADAMARD.get(key)
+    if h is None:
+        # Built with device ops (no host to device copy, so also legal during graph capture); cached
+        # only outside capture (a tensor made during capture lives in the graph's private pool).
+        h = torch.ones(1, 1, dtype=torch.float32, device=device)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[key] = h.to(device)
-    return _HADAMARD[key]
+        if not _capturing(device):
+            _HADAMARD[key] = h
+    return h
 
 
 def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -109,12 +168,15 @@ def fp8_mqa_logits(
 ) -> torch.Tensor:
     """Ragged logits ``[M, N]``: ``sum_h relu(q[m,h] . k[n] * s[n]) * w[m,h]`` for ks <= n < ke."""
     k_fp8, k_scale = kv
-    k = k_fp8.float() * k_scale.float().reshape(-1, 1)
-    score = torch.einsum("mhd,nd->mhn", q.float(), k).relu()
-    logits = (score * weights.float().unsqueeze(-1)).sum(dim=1)
+    k = k_fp8.double() * k_scale.double().reshape(-1, 1)
     n = torch.arange(k.shape[0], device=q.device)
-    valid = (n[None, :] >= cu_seqlen_ks[:, None]) & (n[None, :] < cu_seqlen_ke[:, None])
-    return logits.masked_fill(~valid, float("-inf"))
+    out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
+    for rows in _row_chunks(q.shape[0], q.shape[1] * k.shape[0]):
+        score = torch.einsum("mhd,nd->mhn", q[rows].double(), k).relu()
+        logits = (score * weights[rows].double().unsqueeze(-1)).sum(dim=1).float()
+        valid = (n[None, :] >= cu_seqlen_ks[rows, None]) & (n[None, :] < cu_seqlen_ke[rows, None])
+        out[rows] = logits.masked_fill(~valid, float("-inf"))
+    return out
 
 
 def fp8_paged_mqa_logits(
@@ -142,11 +204,11 @@ def fp8_paged_mqa_logits(
     pos = torch.arange(max_context_len, device=q.device)
     table = block_tables[:, pos // INDEX_PAGE_TOKENS].long().clamp_min(0)  # [B, L]
     offset = (pos % INDEX_PAGE_TOKENS).expand_as(table)
-    k = keys[table, offset].float() * scales[table, offset].unsqueeze(-1)  # [B, L, D]
-    qf = q.float().reshape(batch, next_n, heads, dim)
+    k = keys[table, offset].double() * scales[table, offset].double().unsqueeze(-1)  # [B, L, D]
+    qf = q.double().reshape(batch, next_n, heads, dim)
     score = torch.einsum("bthd,bld->bthl", qf, k).relu()
-    w = weights.float().reshape(batch, next_n, heads, 1)
-    logits = (score * w).sum(dim=2).reshape(batch * next_n, max_context_len)
+    w = weights.double().reshape(batch, next_n, heads, 1)
+    logits = (score * w).sum(dim=2).float().reshape(batch * next_n, max_context_len)
     lens = context_lens.reshape(batch, -1)[:, -1:].repeat_interleave(next_n, dim=0)
     if next_n > 1:  # MTP rows see one more token each
         lens = lens - (next_n - 1 - torch.arange(next_n, device=q.device).repeat(batch)[:, None])
@@ -172,7 +234,9 @@ def _topk_rows(
     )
     rel = cols[None, :] - start
     valid = (rel >= 0) & (rel < lengths.reshape(-1, 1).long())
-    masked = torch.where(valid, score.float(), torch.full_like(score, float("-inf"), dtype=torch.float))
+    masked = torch.where(
+        valid, score.float(), torch.full_like(score, float("-inf"), dtype=torch.float)
+    )
     k = min(topk, width)
     values, idx = torch.topk(masked, k, dim=-1, sorted=False)
     picked_valid = torch.gather(valid, 1, idx)
@@ -186,7 +250,9 @@ def fast_topk_v2(score, lengths, topk, row_starts=None):
     return _topk_rows(score, lengths, topk, row_starts)
 
 
-def fast_topk_transform_fused(score, lengths, page_table_size_1, cu_seqlens_q, topk, row_starts=None):
+def fast_topk_transform_fused(
+    score, lengths, page_table_size_1, cu_seqlens_q, topk, row_starts=None
+):
     """Top-k positions mapped through each row's request page table (row -> request by
     ``cu_seqlens_q``)."""
     idx = _topk_rows(score, lengths, topk, row_starts).long()
@@ -213,10 +279,22 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512):
     ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]``. Returns
     ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
+    s_q, h_q, d_qk = q.shape
+    topk = indices.shape[-1]
+    if s_q * topk * max(d_qk, h_q) <= CHUNK_ELEMENTS:
+        return _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v)
+    parts = [
+        _flash_mla_sparse_rows(q[rows], kv, indices[rows], sm_scale, d_v)
+        for rows in _row_chunks(s_q, topk * max(d_qk, h_q))
+    ]
+    return tuple(torch.cat(p, dim=0) for p in zip(*parts))
+
+
+def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
     idx = indices[:, 0, :].long()
     valid = idx >= 0
-    rows = kv[:, 0, :][idx.clamp_min(0)].float()  # [s_q, topk, d_qk]
-    scores = torch.einsum("shd,std->sht", q.float(), rows) * sm_scale
+    rows = kv[:, 0, :][idx.clamp_min(0)].double()  # [s_q, topk, d_qk]
+    scores = torch.einsum("shd,std->sht", q.double(), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     max_logits = scores.amax(dim=-1)
     safe_max = torch.where(torch.isfinite(max_logits), max_logits, torch.zeros_like(max_logits))
@@ -224,7 +302,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512):
     denom = p.sum(dim=-1)
     out = torch.einsum("sht,std->shd", p, rows[..., :d_v]) / denom.clamp_min(1e-30).unsqueeze(-1)
     lse = torch.log(denom.clamp_min(1e-30)) + safe_max
-    return out.to(q.dtype), max_logits, lse
+    return out.to(q.dtype), max_logits.float(), lse.float()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,6 +324,107 @@ def initialize_dummy_weights(model: torch.nn.Module, *args, seed: int = 1234, **
         else:
             values = torch.zeros(param.shape)
         param.data.copy_(values.to(param.dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# G4: MoE routing (sgl_kernel.moe_fused_gate)
+# ------------------------------------------------------------------------------------------------
+MOE_FUSED_GATE_SCHEMA = (
+    "moe_fused_gate(Tensor input, Tensor bias, int num_expert_group, int topk_group, int topk, "
+    "int num_fused_shared_experts=0, float routed_scaling_factor=0., "
+    "bool apply_routed_scaling_factor_on_output=False) -> (Tensor, Tensor)"
+)
+_SGL_KERNEL_LIB = None
+
+
+def moe_fused_gate(
+    input_tensor: torch.Tensor,
+    bias: torch.Tensor,
+    num_expert_group: int,
+    topk_group: int,
+    topk: int,
+    num_fused_shared_experts: int = 0,
+    routed_scaling_factor: float = 1.0,
+    apply_routed_scaling_factor_on_output: bool = False,
+):
+    """DeepSeek grouped top-k on sigmoid scores plus a correction bias (upstream's
+    ``biased_grouped_topk_impl`` maths; the kernel always renormalises the weights).
+
+    Returns ``(topk_weights fp32 [n, topk], topk_ids int32 [n, topk])``.
+    """
+    assert num_fused_shared_experts == 0, "fused shared experts are not stood in"
+    scores = input_tensor.float().sigmoid()
+    n, e = scores.shape
+    choice = scores + bias.float().unsqueeze(0)
+    group_scores = choice.view(n, num_expert_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1).expand(n, num_expert_group, e // num_expert_group).reshape(n, -1)
+    )
+    masked = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_ids = torch.topk(masked, k=topk, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, topk_ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if apply_routed_scaling_factor_on_output:
+        weights = weights * routed_scaling_factor
+    return weights.to(torch.float32), topk_ids.to(torch.int32)
+
+
+def define_sgl_kernel_ops() -> None:
+    """Define ``torch.ops.sgl_kernel.moe_fused_gate`` (CPU and CUDA kernels = :func:`moe_fused_gate`).
+
+    ``layers/moe/topk.py`` registers a fake for that op at import on CUDA, which fails when the op
+    does not exist; the ``sgl_kernel`` stub calls this when ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``.
+    """
+    global _SGL_KERNEL_LIB
+    if _SGL_KERNEL_LIB is not None or hasattr(torch.ops.sgl_kernel, "moe_fused_gate"):
+        return
+    lib = torch.library.Library("sgl_kernel", "FRAGMENT")
+    lib.define(MOE_FUSED_GATE_SCHEMA)
+    for key in ("CPU", "CUDA"):
+        lib.impl("moe_fused_gate", moe_fused_gate, key)
+    _SGL_KERNEL_LIB = lib
+
+
+# ------------------------------------------------------------------------------------------------
+# G5: fused MoE experts
+# ------------------------------------------------------------------------------------------------
+def fused_moe_dense(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    routed_scaling_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's top-k experts ``e``, times
+    ``routed_scaling_factor`` (what the Triton runner's ``moe_sum_reduce`` applies on CUDA).
+
+    ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``. Every expert runs on every token
+    and the results are combined with a dense ``[T, E]`` weight matrix (0 for experts not picked,
+    ids < 0 = padding), so shapes never depend on the routing.
+    """
+    tokens, experts = x.shape[0], w13.shape[0]
+    ids = topk_ids.long()
+    valid = ids >= 0
+    dense = torch.zeros((tokens, experts), dtype=torch.float32, device=x.device)
+    dense.scatter_add_(
+        1,
+        ids.clamp_min(0),
+        torch.where(
+            valid, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32)
+        ),
+    )
+    out = torch.zeros((tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    for e in range(experts):
+        h = x @ w13[e].t()
+        d = h.shape[-1] // 2
+        a = torch.nn.functional.silu(h[:, :d]) * h[:, d:]
+        out += (a @ w2[e].t()).float() * dense[:, e : e + 1]
+    if routed_scaling_factor is not None:
+        out *= routed_scaling_factor
+    return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,17 +468,154 @@ def _patch_rope_variant(module) -> None:
         return apply(query), apply(key)
 
     module.DeepseekScalingRotaryEmbedding.forward_native = forward_native
+    if torch.cuda.is_available():  # G3: the JIT rope kernel is not available
+
+        def forward_cuda(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
+            assert fused_set_kv_buffer_arg is None, "fused rope + KV store is not stood in"
+            return forward_native(self, positions, query, key, offsets)
+
+        module.DeepseekScalingRotaryEmbedding.forward_cuda = forward_cuda
 
 
 def _patch_loader(module) -> None:
     module.initialize_dummy_weights = initialize_dummy_weights  # S7
 
 
+def _patch_layernorm(module) -> None:
+    if torch.cuda.is_available():  # G1
+        module.RMSNorm.forward_cuda = module.RMSNorm.forward_native
+
+
+def _patch_activation(module) -> None:
+    if torch.cuda.is_available():  # G2
+        module.SiluAndMul.forward_cuda = module.SiluAndMul.forward_native
+
+
+def _patch_topk(module) -> None:
+    if torch.cuda.is_available():  # G4
+        module.fused_topk_deepseek = None
+        module.moe_fused_gate = moe_fused_gate
+
+
+def _patch_unquant(module) -> None:
+    if not torch.cuda.is_available():
+        return
+
+    def forward_cuda(self, layer, dispatch_output):  # G5
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        config = self.moe_runner_config
+        assert config.activation == "silu" and not config.apply_router_weight_on_input
+        assert getattr(config, "gemm1_alpha", None) is None
+        assert getattr(config, "gemm1_clamp_limit", None) is None
+        topk_weights, topk_ids = dispatch_output.topk_output[:2]
+        out = fused_moe_dense(
+            dispatch_output.hidden_states,
+            layer.w13_weight,
+            layer.w2_weight,
+            topk_weights,
+            topk_ids,
+            config.routed_scaling_factor,
+        )
+        return StandardCombineInput(hidden_states=out)
+
+    module.UnquantizedFusedMoEMethod.forward_cuda = forward_cuda
+
+
+def _patch_overlap_utils(module) -> None:
+    if torch.cuda.is_available():  # G6
+        module._resolve_future_token_ids = module._resolve_future_token_ids_native
+
+
+def _patch_forward_batch_info(module) -> None:
+    if torch.cuda.is_available():  # G6
+        module.clamp_position = module._clamp_position_native
+
+
+def _patch_attention_utils(module) -> None:
+    if torch.cuda.is_available():  # G7
+        module.concat_mla_absorb_q = lambda q_nope, q_rope: torch.cat([q_nope, q_rope], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# C1: CPU only, for speed: upstream Triton kernels that the interpreter runs token by token
+# ------------------------------------------------------------------------------------------------
+FP8_E4M3_MAX = 448.0
+
+
+def act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] = None):
+    """``nsa.triton_kernel.act_quant``: per ``block_size`` group, ``s = max(|x|, 1e-4) / 448``
+    (rounded up to a power of two with ``scale_fmt``) and ``y = clamp(x / s)`` in e4m3."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    scale = amax / FP8_E4M3_MAX
+    if scale_fmt is not None:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    y = (groups / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return y.reshape(x.shape), scale.squeeze(-1)
+
+
+def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope) -> None:
+    """``mem_cache.utils.set_mla_kv_buffer_triton``: row ``loc[i]`` = ``[nope_i, rope_i]``."""
+    rows = torch.cat([cache_k_nope, cache_k_rope], dim=-1)
+    kv_buffer[loc.long()] = rows.reshape(loc.numel(), *kv_buffer.shape[1:]).to(kv_buffer.dtype)
+
+
+def set_index_k_and_scale(pool, buf, loc, index_k, index_k_scale) -> None:
+    """``SetKAndS.triton``: token ``loc`` of page ``loc // 64`` gets its 128 fp8 key bytes at
+    ``(loc % 64) * 128`` and its fp32 scale at ``64 * 128 + (loc % 64) * 4`` (upstream's layout)."""
+    page_size, dim = pool.page_size, pool.index_head_dim
+    loc = loc.long()
+    page, off = loc // page_size, (loc % page_size)[:, None]
+    key_cols = off * dim + torch.arange(dim, device=loc.device)
+    scale_cols = page_size * dim + off * 4 + torch.arange(4, device=loc.device)
+    buf[page[:, None], key_cols] = index_k.reshape(loc.numel(), dim).view(torch.uint8)
+    scale = index_k_scale.reshape(loc.numel(), -1).to(torch.float32).contiguous()
+    buf[page[:, None], scale_cols] = scale.view(torch.uint8).reshape(loc.numel(), 4)
+
+
+def _cpu_only(patch: Callable) -> Callable:
+    def apply(module) -> None:
+        if not torch.cuda.is_available():
+            patch(module)
+
+    return apply
+
+
+@_cpu_only
+def _patch_memory_pool(module) -> None:
+    module.set_mla_kv_buffer_triton = set_mla_kv_buffer
+
+
+@_cpu_only
+def _patch_index_buf_accessor(module) -> None:
+    module.SetKAndS.triton = classmethod(
+        lambda cls, pool, buf, loc, index_k, index_k_scale: set_index_k_and_scale(
+            pool, buf, loc, index_k, index_k_scale
+        )
+    )
+
+
+@_cpu_only
+def _patch_nsa_triton_kernel(module) -> None:
+    module.act_quant = act_quant
+
+
 PATCHES: Dict[str, Callable] = {
+    "sglang.srt.mem_cache.memory_pool": _patch_memory_pool,
+    "sglang.srt.layers.attention.nsa.index_buf_accessor": _patch_index_buf_accessor,
+    "sglang.srt.layers.attention.nsa.triton_kernel": _patch_nsa_triton_kernel,
     "sglang.srt.server_args": _patch_server_args,
     "sglang.srt.layers.attention.nsa.nsa_indexer": _patch_nsa_indexer,
     "sglang.srt.model_loader.loader": _patch_loader,
     "sglang.srt.layers.rotary_embedding.rope_variant": _patch_rope_variant,
+    "sglang.srt.layers.layernorm": _patch_layernorm,
+    "sglang.srt.layers.activation": _patch_activation,
+    "sglang.srt.layers.moe.topk": _patch_topk,
+    "sglang.srt.layers.quantization.unquant": _patch_unquant,
+    "sglang.srt.managers.overlap_utils": _patch_overlap_utils,
+    "sglang.srt.model_executor.forward_batch_info": _patch_forward_batch_info,
+    "sglang.srt.layers.attention.utils": _patch_attention_utils,
 }
 
 

@@ -120,6 +120,7 @@ class KVOffloadCoordinator:
         )
         self._device_report_event: Optional[torch.cuda.Event] = None
         self._error_flags_seen = 0
+        self._serving = False
         self.initial_free = self.allocator.free_counts()
         self.stats = {
             "admitted": 0,
@@ -168,6 +169,7 @@ class KVOffloadCoordinator:
         if r in self.requests:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
         self._after_inflight_forward()
+        self._start_serving()
         n = int(seq_len)
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
@@ -198,6 +200,7 @@ class KVOffloadCoordinator:
         if r in self.requests:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
         self._after_inflight_forward()
+        self._start_serving()
         n = int(prompt_len)
         page = self.page_size
         full = n // page * page
@@ -383,6 +386,16 @@ class KVOffloadCoordinator:
         sync). The caller then changes state those forwards read or write."""
         if self.forward_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.forward_stream)
+
+    def _start_serving(self) -> None:
+        """At the first admission: forget what the CUDA-graph capture warm-ups left in the plan
+        counters and error flags (they plan dummy rows of a request with no slots)."""
+        if self._serving:
+            return
+        self._serving = True
+        self.workspace.reset_errors()
+        self.workspace.stats.zero_()
+        self._device_report.zero_()
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
