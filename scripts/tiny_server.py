@@ -129,11 +129,16 @@ def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["KV_OFFLOAD_STANDINS"] = "1"
+    # Three processes import sglang at start; let them reuse compiled bytecode.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     if cpu:
         env["TRITON_INTERPRET"] = "1"  # the Triton kernels (ours and upstream's) on CPU tensors
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # upstream's switch for its CPU code paths
+        # Upstream wraps the MoE top-k and the indexer head gates in torch.compile; on 2 CPU cores
+        # Inductor's C++ build makes the first forward take a minute. Run them eagerly.
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     return env
 
 

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -39,9 +38,7 @@ def free_port() -> int:
 class TinyServer:
     """One ``python -m sglang.launch_server`` process tree on the tiny model."""
 
-    def __init__(
-        self, args: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None
-    ):
+    def __init__(self, args: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
@@ -87,9 +84,7 @@ class TinyServer:
         return "\n".join(self.log().splitlines()[-n:])
 
     # ------------------------------------------------------------------ requests
-    def generate(
-        self, input_ids: List[int], max_new_tokens: int, rid: Optional[str] = None
-    ) -> Dict:
+    def generate(self, input_ids: List, max_new_tokens: int, rid: Optional[str] = None):
         body = {
             "input_ids": input_ids,
             "sampling_params": {
@@ -126,9 +121,11 @@ class TinyServer:
         last["chunks"] = chunks
         return last
 
-    def generate_many(self, prompts: List[List[int]], max_new_tokens: int) -> List[Dict]:
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            return list(ex.map(lambda p: self.generate(p, max_new_tokens), prompts))
+    def generate_batch(self, prompts: List[List[int]], max_new_tokens: int) -> List[Dict]:
+        """One ``/generate`` call with a list of prompts: the scheduler receives them in one
+        message, so two servers given the same call schedule them into the same batches (as long
+        as their admission decisions agree)."""
+        return self.generate(prompts, max_new_tokens)
 
     def abort(self, rid: str) -> None:
         requests.post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
