@@ -187,7 +187,14 @@ def test_abort_mid_decode(main_pair):
 @pytest.fixture(scope="module")
 def pressure_pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pressure")
-    specs = (OFF_SMALL, logs / "off_small.log"), (ON_PRESSURE, logs / "on_pressure.log")
+    # With this workload the host budget makes requests wait but never runs decode out of tokens,
+    # so both twins also retract on upstream's test schedule (every few decode steps), which
+    # keeps their batches identical.
+    retract = {"SGLANG_TEST_RETRACT": "1"}
+    specs = (
+        (OFF_SMALL, logs / "off_small.log", retract),
+        (ON_PRESSURE, logs / "on_pressure.log", retract),
+    )
     with running(*specs) as servers:
         yield servers
 
