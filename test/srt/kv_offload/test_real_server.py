@@ -188,9 +188,9 @@ def test_abort_mid_decode(main_pair):
 def pressure_pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pressure")
     # With this workload the host budget makes requests wait but never runs decode out of tokens,
-    # so both twins also retract on upstream's test schedule (every few decode steps), which
+    # so both twins also retract on upstream's test schedule (every 20 decode steps), which
     # keeps their batches identical.
-    retract = {"SGLANG_TEST_RETRACT": "1"}
+    retract = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
     specs = (
         (OFF_SMALL, logs / "off_small.log", retract),
         (ON_PRESSURE, logs / "on_pressure.log", retract),
