@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -132,6 +133,7 @@ class OffloadStack:
             self.coord = KVOffloadCoordinator(
                 self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=reqs
             )
+            self.adapter = NSAOffloadAdapter(self.coord)
 
 
 def offload_physical_rows(reqs: int, slots: int, staging: int) -> int:
@@ -289,11 +291,11 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     seq_t = torch.tensor(lens, dtype=torch.int64, device=dev)
     misses = torch.zeros((), dtype=torch.int64, device=dev)
     results: List[torch.Tensor] = []
-    st.coord.set_num_real_reqs(bs)
+    st.adapter.num_real_reqs.fill_(bs)
 
     def swap_all_layers():
         for layer in range(layers):
-            res = st.coord.swap_in_selected_pages(rpi, seq_t, topk_static[layer], layer)
+            res = st.adapter.swap_in_selected_pages(rpi, seq_t, topk_static[layer], layer)
             misses.add_(st.coord.workspace.num_misses[:bs].sum())
         results.append(res)
 

@@ -51,6 +51,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -464,6 +465,7 @@ class OffloadBackend(_Backend):
         self.coord = KVOffloadCoordinator(
             self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_bs, **extra
         )
+        self.adapter = NSAOffloadAdapter(self.coord)
         self.mapping = self.alloc.full_to_hisparse_device_index_mapping
         self.start_free = self.free_counts()
         # Device-side counters (no sync inside the forward); read once per step.
@@ -526,7 +528,7 @@ class OffloadBackend(_Backend):
         locs = topk_locs[:bs]
         valid = locs >= 0
         tail = valid & (self.mapping[locs.clamp(min=0).long()] > 0)
-        rows = self.coord.swap_in_selected_pages(rpi, seq_lens, topk_pos, layer)
+        rows = self.adapter.swap_in_selected_pages(rpi, seq_lens, topk_pos, layer)
         self.misses += self.coord.workspace.num_misses[:bs].sum()
         self.tail_hits += tail.sum()
         self.entries += valid.sum()
@@ -968,7 +970,7 @@ class Engine:
             0, self.cfg.max_context, (pad_to, self.cfg.topk), generator=self.gen
         ).to(device=self.device, dtype=torch.int32)
         tokens = torch.tensor([r.tokens[-1] for r in running], device=self.device)
-        off.coord.set_num_real_reqs(bs)
+        off.adapter.num_real_reqs.fill_(bs)
         res = [
             self.model.decode(be, reqs, tokens, pad_to, self.stale_req, garbage)
             for be in self.backends

@@ -44,6 +44,8 @@ class TinyServer:
         self.args = list(args)
         self.log_path = log_path
         cmd, server_env = tiny_server.build_command(self.args + ["--port", str(self.port)])
+        # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
+        server_env.setdefault("OMP_NUM_THREADS", "1")
         server_env.update(env or {})
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(

@@ -30,3 +30,11 @@ if _needs_stubs and _STUBS not in sys.path:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (_STUBS, os.environ.get("PYTHONPATH")) if p
     )
+
+# Property tests draw the same examples on every run (CI must not go red on a new random draw);
+# HYPOTHESIS_PROFILE=explore draws fresh ones locally.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

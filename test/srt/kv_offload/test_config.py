@@ -1,16 +1,28 @@
 """KVOffloadConfig parsing and range checks (pure Python, no upstream imports)."""
 
+import dataclasses
 import json
 
 import pytest
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 
+# The documented defaults (docs/kv_offload.md, "Flags and defaults"), written out by hand.
+DOCUMENTED_DEFAULTS = {
+    "sparse_slots_per_req": 4096,
+    "sparse_pool_slots": 0,
+    "host_pool_size_gb": 0.0,
+    "host_pool_ratio": 1.0,
+    "pin_host_memory": True,
+    "h2d_programs_per_req": 0,
+    "pd_direct_to_host": False,
+    "status_log_interval": 1000,
+}
+
 
 def test_defaults_when_absent():
-    for text in (None, "", "  ", "{}"):
-        cfg = KVOffloadConfig.from_json(text)
-        assert cfg == KVOffloadConfig()
-    assert KVOffloadConfig().sparse_slots_per_req == 4096
+    assert dataclasses.asdict(KVOffloadConfig.from_json(None)) == DOCUMENTED_DEFAULTS
+    for text in ("", "  ", "{}", {}):
+        assert dataclasses.asdict(KVOffloadConfig.from_json(text)) == DOCUMENTED_DEFAULTS, text
 
 
 def test_values_round_trip():
@@ -20,17 +32,17 @@ def test_values_round_trip():
         "host_pool_size_gb": 200,
         "pin_host_memory": False,
         "h2d_programs_per_req": 4,
-        "backup_chunk_tokens": 4096,
         "pd_direct_to_host": True,
+        "status_log_interval": 0,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
-    assert cfg.sparse_slots_per_req == 8192
-    assert cfg.sparse_pool_slots == 65536
-    assert cfg.host_pool_size_gb == 200.0 and isinstance(cfg.host_pool_size_gb, float)
-    assert cfg.pin_host_memory is False
-    assert cfg.h2d_programs_per_req == 4
-    assert cfg.pd_direct_to_host is True and KVOffloadConfig().pd_direct_to_host is False
+    # Every passed value is kept; every other key keeps its default.
+    assert dataclasses.asdict(cfg) == {**DOCUMENTED_DEFAULTS, **raw}
+    assert dataclasses.asdict(cfg) == {**dataclasses.asdict(KVOffloadConfig()), **raw}
+    assert isinstance(cfg.host_pool_size_gb, float)  # JSON 200 is coerced to 200.0
     assert KVOffloadConfig.from_json(raw) == cfg
+    ratio = KVOffloadConfig.from_json('{"host_pool_ratio": 2}')
+    assert dataclasses.asdict(ratio) == {**DOCUMENTED_DEFAULTS, "host_pool_ratio": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -52,7 +64,6 @@ def test_values_round_trip():
         ('{"host_pool_size_gb": 10, "host_pool_ratio": 2}', "set only one of them"),
         ('{"pin_host_memory": 1}', "must be a JSON bool"),
         ('{"h2d_programs_per_req": -4}', "must be >= 0"),
-        ('{"backup_chunk_tokens": 100}', "multiple of 64"),
         ('{"pd_direct_to_host": "yes"}', "pd_direct_to_host must be a JSON bool"),
     ],
 )

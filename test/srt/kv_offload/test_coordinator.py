@@ -10,6 +10,7 @@ import torch
 from _pools import offload_device_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -64,6 +65,7 @@ class Harness:
         self.coord = KVOffloadCoordinator(
             self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_reqs
         )
+        self.adapter = NSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
         self.free_reqs = list(range(max_reqs))
         self.kv = {}  # req -> list per layer of (seq_len, ROW) uint8 truth
@@ -149,7 +151,7 @@ class Harness:
         seq_lens = torch.tensor([self.seq_len(r) for r in reqs], device=self.device)
         # A padded CUDA-graph row: stale request index, must be left alone.
         padded = torch.cat([rpi, rpi[:1]])
-        self.coord.set_num_real_reqs(bs)
+        self.adapter.num_real_reqs.fill_(bs)
         for layer in range(LAYERS):
             positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(TOPK))]
             topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device=self.device)
@@ -158,7 +160,7 @@ class Harness:
                 topk[b, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
             topk[bs] = 7  # garbage in the padded row
             before = topk.clone()
-            rows = self.coord.swap_in_selected_pages(padded, seq_lens, topk, layer)
+            rows = self.adapter.swap_in_selected_pages(padded, seq_lens, topk, layer)
             assert torch.equal(topk, before), "the indexer's top-k must not be rewritten"
             assert int(self.coord.workspace.error_flags[0]) == 0
             assert bool((rows[bs] == -1).all()), "padded rows resolve to nothing"
@@ -418,12 +420,13 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     rpi = torch.tensor(reqs + [reqs[0]], dtype=torch.int64, device="cuda")
     seq = torch.tensor([h.seq_len(r) for r in reqs] + [1], device="cuda")
     topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device="cuda")
-    h.coord.set_num_real_reqs(bs)
+    h.adapter.num_real_reqs.fill_(bs)
     state = [h.sparse.loc_to_slot, h.sparse.slot_loc, h.sparse.lru] + list(h.pool.kv_buffer)
 
     def run():
         return [
-            h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)
+            h.adapter.swap_in_selected_pages(rpi, seq, topk, layer).clone()
+            for layer in range(LAYERS)
         ]
 
     def fresh_topk():
@@ -441,7 +444,8 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     with torch.cuda.graph(graph):
         # The workspace output is reused by every layer (consumed before the next plan): keep copies.
         graph_out = [
-            h.coord.swap_in_selected_pages(rpi, seq, topk, layer).clone() for layer in range(LAYERS)
+            h.adapter.swap_in_selected_pages(rpi, seq, topk, layer).clone()
+            for layer in range(LAYERS)
         ]
     for _ in range(4):
         fresh_topk()
@@ -459,3 +463,42 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
             assert torch.equal(t, a)
         assert int(h.coord.workspace.error_flags[0]) == 0
     h.finish_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_scheduler_step_and_forward_side_never_sync_the_device():
+    """The per-step path (backup completion poll, decode-step bookkeeping with page backups and
+    slot growth, the per-layer swap-in) runs with CUDA's sync debug mode set to raise: one
+    synchronizing call (``.item()``, a mask index, ``unique``, a pageable copy) fails the test."""
+    h = Harness(physical_pages=24, logical_pages=40, buffer_slots=128, device="cuda")
+    for n in (130, 200, 60):
+        assert h.admit(n)
+    reqs = sorted(h.kv)
+    bs = len(reqs)
+    rpi = torch.tensor(reqs, dtype=torch.int64, device="cuda")
+    topk = torch.arange(TOPK, dtype=torch.int32, device="cuda").repeat(bs, 1)
+    backed_up = h.coord.stats["backup_tokens"]
+    for _ in range(140):  # every request crosses two page boundaries: backups start and complete
+        for r in reqs:
+            assert h.decode_token(r)
+        seq_lens = [h.seq_len(r) for r in reqs]
+        seq = torch.tensor(seq_lens, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            h.coord.poll()
+            assert not h.coord.before_decode_step(reqs, seq_lens)
+            h.adapter.num_real_reqs.fill_(bs)
+            for layer in range(LAYERS):
+                h.adapter.swap_in_selected_pages(rpi, seq, topk, layer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    h.coord.poll()
+    assert h.coord.stats["backup_tokens"] > backed_up
+    assert int(h.coord.workspace.error_flags[0]) == 0
+    for r in reqs:
+        h.coord.release(r, free_kv=True)
+    h.coord.drain()
+    assert h.alloc.free_counts() == h.start

@@ -7,6 +7,7 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
     index_bytes_per_logical_token,
+    index_row_bytes,
     kv_bytes_per_physical_slot,
     kv_row_bytes,
     physical_slots_needed,
@@ -39,25 +40,53 @@ def extend(alloc, lens, prefix=None):
 
 def test_sizing_deepseek_v32():
     layers = 61
-    assert index_bytes_per_logical_token(layers) == 132 * 61
-    assert kv_bytes_per_physical_slot(656, layers) == 656 * 61
-    assert kv_bytes_per_physical_slot(1152, layers) == 1152 * 61
+    assert index_bytes_per_logical_token(layers, 132) == 132 * 61
+    assert index_bytes_per_logical_token(layers, 136) == 8_296
+    assert kv_bytes_per_physical_slot(656, layers) == 40_016
+    assert kv_bytes_per_physical_slot(1152, layers) == 70_272
     assert kv_row_bytes(656, torch.uint8) == 656 and kv_row_bytes(576, torch.bfloat16) == 1152
-    phys = physical_slots_needed(128, 4096, staging_tokens=32768 + 1)
-    assert phys == 128 * (4096 + 128) + 32768 + 64
-    budget = 60 * 10**9
-    s = split_gpu_budget(budget, layers, 656, phys)
-    assert s.physical_slots == phys
-    assert s.kv_bytes == phys * 656 * 61
-    assert s.index_bytes == s.logical_tokens * 132 * 61
-    assert s.logical_tokens % P == 0
-    assert s.total_bytes <= budget < s.total_bytes + P * 132 * 61
-    # all-on-GPU upstream sizing (get_cell_size_per_token) would fit far fewer tokens
-    assert s.logical_tokens > 3 * budget // ((656 + 132) * 61)
-    s16 = split_gpu_budget(budget, layers, 1152, phys)
-    assert s16.kv_bytes == phys * 1152 * 61 and s16.logical_tokens < s.logical_tokens
+    # bs 128, 4096 slots, 32K staging: 128 * (4096 + 2 * 64) + 32768 = 540_672 + 32_768 = 573_440;
+    # one staging token more rounds up to a whole page: + 64.
+    assert physical_slots_needed(128, 4096, staging_tokens=32768) == 573_440
+    assert physical_slots_needed(128, 4096, staging_tokens=32768 + 1) == 573_504
+    # 4033 sparse slots round up to 4096: 128 * (4096 + 128) + 0 = 540_672.
+    assert physical_slots_needed(128, 4033, staging_tokens=0) == 540_672
+
+    # logical = floor64((budget - phys * R * L) / (idx * L)), worked by hand for a 60 GB budget:
+    budget, phys = 60 * 10**9, 573_440
+    # fp8 rows (R = 656): kv = 573_440 * 656 * 61 = 376_176_640 * 61 = 22_946_775_040 B,
+    # left = 60_000_000_000 - 22_946_775_040 = 37_053_224_960 B.
+    #   idx 136 (8_296 B/token): 37_053_224_960 / 8_296 = 4_466_396.45 -> floor64 = 69_787 * 64
+    #     = 4_466_368 (docs: "4.47 M tokens"); 4_466_368 * 8_296 = 37_052_988_928 <= left.
+    #   idx 132 (8_052 B/token): 37_053_224_960 / 8_052 = 4_601_741.80 -> 71_902 * 64 = 4_601_728.
+    # bf16 rows (R = 1152): kv = 573_440 * 1152 * 61 = 660_602_880 * 61 = 40_296_775_680 B,
+    # left = 19_703_224_320 B.
+    #   idx 136: 19_703_224_320 / 8_296 = 2_375_027.04 -> 37_109 * 64 = 2_374_976.
+    #   idx 132: 19_703_224_320 / 8_052 = 2_446_997.56 -> 38_234 * 64 = 2_446_976.
+    cases = [
+        (656, 136, 22_946_775_040, 4_466_368),
+        (656, 132, 22_946_775_040, 4_601_728),
+        (1152, 136, 40_296_775_680, 2_374_976),
+        (1152, 132, 40_296_775_680, 2_446_976),
+    ]
+    for row, idx, kv_bytes, logical in cases:
+        s = split_gpu_budget(budget, layers, row, phys, index_row_bytes=idx)
+        assert (s.logical_tokens, s.physical_slots) == (logical, phys), (row, idx)
+        assert s.kv_bytes == kv_bytes and s.index_bytes == logical * idx * 61, (row, idx)
+        assert s.total_bytes <= budget < s.total_bytes + P * idx * 61, (row, idx)
+    # The NSA index row: 128 B fp8 keys + one 4 B scale per 128-dim block.
+    assert index_row_bytes(128) == 132 and index_row_bytes(256) == 264
+    # Physical slots round up to a page: 573_441 -> 573_504; kv = 573_504 * 40_016 =
+    # 22_949_336_064, left = 37_050_663_936, / 8_296 = 4_466_087.7 -> 69_782 * 64 = 4_466_048.
+    s = split_gpu_budget(budget, layers, 656, phys + 1, index_row_bytes=136)
+    assert (s.physical_slots, s.logical_tokens, s.kv_bytes) == (573_504, 4_466_048, 22_949_336_064)
+    # Too small: the KV rows take the whole budget, or leave less than a page of index keys.
     with pytest.raises(ValueError, match="too small.*physical KV slots"):
-        split_gpu_budget(phys * 656 * 61, layers, 656, phys)
+        split_gpu_budget(22_946_775_040, layers, 656, phys, index_row_bytes=136)
+    with pytest.raises(ValueError, match="too small.*physical KV slots"):
+        split_gpu_budget(22_946_775_040 + 63 * 8_296, layers, 656, phys, index_row_bytes=136)
+    s = split_gpu_budget(22_946_775_040 + 64 * 8_296, layers, 656, phys, index_row_bytes=136)
+    assert s.logical_tokens == 64
 
 
 @pytest.mark.parametrize("dtype_dim,row", [(FP8, 656), (BF16, 1152)])

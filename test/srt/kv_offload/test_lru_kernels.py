@@ -197,19 +197,21 @@ def test_topk_input_is_never_written_and_custom_output():
     ws = PlanWorkspace(1, 32, 64, device="cpu")
     topk = torch.tensor([w.reqs[0][:32]], dtype=torch.int32)
     keep = topk.clone()
+    rpi, nr = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    shadow = _clone_state(w.state.layer(0))
+    ref = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, shadow)
     out = torch.full((1, 32), 123, dtype=torch.int32)
     res = plan_layer(
-        topk,
-        torch.zeros(1, dtype=torch.int64),
-        torch.ones(1, dtype=torch.int32),
-        w.loc_to_host,
-        w.loc_to_tail,
-        w.state.layer(0),
-        ws,
-        out_indices=out,
+        topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0), ws, out_indices=out
     )
     assert torch.equal(topk, keep) and res.out_indices.data_ptr() == out.data_ptr()
-    assert bool((out >= 0).all())
+    # The caller's buffer holds the reference's rows, not merely some non-negative ones.
+    assert torch.equal(out, ref.out_indices)
+    assert_same(ref, res, True, 1)
+    for name, a, b in zip(LayerState._fields, shadow, w.state.layer(0)):
+        assert torch.equal(a, b), f"state {name} differs from the reference"
+    # ... and those rows hold the KV of the requested tokens once the misses are loaded.
+    w.load_and_check(0, topk, rpi, 1, res, compact=True)
 
 
 # --------------------------------------------------------------------------------------- GPU

@@ -6,7 +6,7 @@ per run (the pytest process only orchestrates):
 
 - decode: the kv offload pools and coordinator built by ``runtime.build_device_pool`` + ``runtime.build_allocator`` (fp8 656 B
   rows, 2 layers); registers the KV buffers the patched ``_init_kv_manager`` registers
-  (``runtime.pd_kv_buf_infos``: device pool, or host pool) and the index-state buffers (logical pages)
+  (``KVOffloadHooks.pd_kv_buf_infos``: device pool, or host pool) and the index-state buffers (logical pages)
   with sglang's ``MooncakeTransferEngine``; pre-allocates requests through the patched
   ``DecodePreallocQueue._pre_alloc`` and computes the destination pages as the patched
   ``pop_preallocated`` does (KV: ``kv_to_page_indices(pd_kv_destination_locs(locs))``; state:
@@ -18,7 +18,7 @@ per run (the pytest process only orchestrates):
 
 The decode side checks the received bytes (KV through logical -> physical or logical -> host, index
 pages by logical page) and the physical allocator (direct-to-host: untouched by the transfer), admits
-the requests into the coordinator (direct-to-host: ``runtime.admit_transferred``, as the patched
+the requests into the coordinator (direct-to-host: ``KVOffloadHooks.admit_transferred``, as the patched
 ``process_decode_queue`` does), drains the backups and checks the host copies of the complete pages
 and the GPU tails, then releases everything through the patched
 ``release_kv_cache`` and checks that every allocator's free count is back at its start. Failures: a
@@ -244,17 +244,15 @@ class _Decode:
         import sglang.srt.server_args as server_args_module
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.chunk_cache import ChunkCache
-        from sglang.srt.mem_cache.sparsity.kv_offload import runtime
         from test_runtime_hooks import make_runner, offload_global_server_args
 
         server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
-        self.runtime = runtime
         self.direct = direct
         config = {"sparse_slots_per_req": 128, "pd_direct_to_host": direct}
         self.runner = make_runner(max_total_tokens=4096, max_reqs=8, config=config)
         self.pool = self.runner.token_to_kv_pool
         self.allocator = self.runner.token_to_kv_pool_allocator
-        self.coordinator = runtime.get_coordinator()
+        self.coordinator = self.allocator.kv_offload.coordinator
         self.host = self.allocator.host_pool
         self.tree_cache = ChunkCache(
             CacheInitParams(
@@ -273,7 +271,7 @@ class _Decode:
             ),
         )
         self.engine = _engine()
-        self.kv_ptrs, kv_lens, self.kv_items = runtime.pd_kv_buf_infos(self.pool)
+        self.kv_ptrs, kv_lens, self.kv_items = self.allocator.kv_offload.pd_kv_buf_infos()
         self.st_ptrs, st_lens, self.st_items = self.pool.get_state_buf_infos()
         rc = self.engine.batch_register(self.kv_ptrs + self.st_ptrs, kv_lens + st_lens)
         assert rc == 0, f"batch_register returned {rc}"
@@ -302,7 +300,9 @@ class _Decode:
         req.rid, req.return_logprob, req.finished_reason = rid, False, None
         DecodePreallocQueue._pre_alloc(self.prealloc_queue, req)
         locs = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, :n]
-        dst_kv = kv_to_page_indices(self.runtime.pd_kv_destination_locs(locs).numpy(), P)
+        dst_kv = kv_to_page_indices(
+            self.allocator.kv_offload.pd_kv_destination_locs(locs).numpy(), P
+        )
         dst_state = kv_to_page_indices(locs.numpy(), P)
         return req, dst_kv.tolist(), dst_state.tolist()
 
@@ -310,7 +310,7 @@ class _Decode:
         """Direct to host: at transfer success (patched ``process_decode_queue``); else the
         coordinator admits from GPU rows (what the first decode step's hook does)."""
         if self.direct:
-            self.runtime.admit_transferred([req])
+            self.allocator.kv_offload.admit_transferred([req])
         else:
             self.coordinator.admit(req.req_pool_idx, n)
 

@@ -21,7 +21,6 @@ import torch
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.sparsity.kv_offload import runtime
 from test_coordinator import DEVICES, Harness, _seeded_draw
 from test_runtime_hooks import offload_server_args  # noqa: F401  (fixture)
 from test_runtime_hooks import LAYERS, P, _batch, chunk_cache, make_runner, new_req
@@ -125,7 +124,7 @@ def assert_holds(runner, req, truth, n):
 def test_retract_and_resume_through_upstream(offload_server_args, direct):  # noqa: F811
     runner = make_runner(config={**CONFIG, "pd_direct_to_host": direct})
     allocator = runner.token_to_kv_pool_allocator
-    coordinator = runtime.get_coordinator()
+    coordinator = allocator.kv_offload.coordinator
     start = allocator.free_counts()
     tree_cache = chunk_cache(runner)
     queue = decode_queue(runner)
@@ -137,7 +136,9 @@ def test_retract_and_resume_through_upstream(offload_server_args, direct):  # no
     truth.append(prompt)
     write_positions(runner, req, truth, 0, prompt, to_host=direct)
     req.output_ids = [7]  # the first token arrives with the transfer
-    runtime.admit_transferred([req])  # direct: admitted from the host now; else at the first step
+    allocator.kv_offload.admit_transferred(
+        [req]
+    )  # direct: admitted from the host now; else at the first step
     for step in range(80):
         batch = _batch(runner, tree_cache, [req])
         ScheduleBatch.prepare_for_decode(batch)  # allocates the token's loc, admits, backs up
@@ -217,14 +218,14 @@ def test_queue_waits_for_rows_promised_to_others(offload_server_args, direct):  
     # 4 requests x (128 slots + 2 tail pages) + one 512-token prompt = 1536 physical rows.
     runner = make_runner(config={**CONFIG, "pd_direct_to_host": direct})
     allocator = runner.token_to_kv_pool_allocator
-    coordinator = runtime.get_coordinator()
+    coordinator = allocator.kv_offload.coordinator
     start = allocator.free_counts()
     assert allocator.physical_size == 1536
     tree_cache = chunk_cache(runner)
     queue = decode_queue(runner)
     fresh = [pd_req(200) for _ in range(2)]
     for req in fresh:
-        assert runtime.pd_can_admit(req)
+        assert allocator.kv_offload.pd_can_admit(req)
         queue._pre_alloc(req)
     staged = 0 if direct else 2 * 256
     assert allocator.physical_available_size() == 1536 - staged
@@ -239,7 +240,7 @@ def test_queue_waits_for_rows_promised_to_others(offload_server_args, direct):  
     assert resumed == retracted[:expect] and queue.retracted_queue == retracted[expect:]
     assert coordinator.unreserved_physical_rows() >= 0
     if not direct:
-        assert not runtime.pd_can_admit(retracted[1])
+        assert not allocator.kv_offload.pd_can_admit(retracted[1])
         # A fresh request finishes: its staging and promise come back, the other one resumes.
         release_kv_cache(fresh[0], tree_cache, is_insert=False)
         assert queue.resume_retracted_reqs() == retracted[1:]

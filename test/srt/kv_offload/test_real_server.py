@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import threading
 import time
 from typing import Iterator, List
@@ -36,19 +37,27 @@ pytestmark = pytest.mark.slow
 
 TOPK = 64
 SLOTS = 128
-KV_ROW_BYTES = 2 * 1152  # 2 layers of bf16 latent rows per token
+PAGE = 64
+LAYERS = 2
+KV_ROW = 1152  # one bf16 latent row (512 + 64 dims)
+INDEX_ROW = 132  # one index-key row (128 fp8 + a 4 B scale)
+RUNNING = 8
+CONTEXT = 1024
+STATUS_INTERVAL = 25
 COMMON = [
     "--json-model-override-args", json.dumps({"index_topk": TOPK}),
     "--chunked-prefill-size", "256",
-    "--max-running-requests", "8",
-    "--context-length", "1024",
+    "--max-running-requests", str(RUNNING),
 ]  # fmt: skip
 SMALL_GPU = ["--max-total-tokens", "4096"]
 LARGE_GPU = ["--max-total-tokens", "16384"]
-# A host pool of exactly 4096 tokens (the budget of OFF_SMALL), and a sparse pool large enough that
-# the GPU-row gate never binds: admission and retraction then follow the host pool alone.
-PRESSURE_HOST_GB = (4096 * KV_ROW_BYTES + 1024) / 1e9
-PRESSURE_SPARSE_POOL = 8 * (SLOTS + 128) + 8 * 640
+# The pressure twins: a host pool of exactly PRESSURE_TOKENS tokens (the token budget of OFF_SMALL),
+# a context length above it (so a prompt can exceed the host pool) and a sparse pool large enough
+# that the GPU-row gate never binds: admission and retraction then follow the host pool alone.
+PRESSURE_TOKENS = 1024
+PRESSURE_CONTEXT = 2048
+PRESSURE_HOST_GB = (PRESSURE_TOKENS * KV_ROW * LAYERS + 1024) / 1e9
+PRESSURE_SPARSE_POOL = RUNNING * (SLOTS + 2 * PAGE) + PRESSURE_CONTEXT
 
 
 def offload(**extra) -> List[str]:
@@ -56,14 +65,33 @@ def offload(**extra) -> List[str]:
     return ["--enable-kv-offload", "--kv-offload-config", json.dumps(config)]
 
 
-OFF_LARGE = COMMON + LARGE_GPU
-ON = COMMON + SMALL_GPU + offload()  # a quarter of OFF_LARGE's GPU budget
-OFF_SMALL = COMMON + SMALL_GPU
+def context(n: int) -> List[str]:
+    return ["--context-length", str(n)]
+
+
+OFF_LARGE = COMMON + context(CONTEXT) + LARGE_GPU
+# A quarter of OFF_LARGE's GPU budget; a status line every STATUS_INTERVAL decode steps.
+ON = COMMON + context(CONTEXT) + SMALL_GPU + offload(status_log_interval=STATUS_INTERVAL)
+OFF_SMALL = COMMON + context(PRESSURE_CONTEXT) + ["--max-total-tokens", str(PRESSURE_TOKENS)]
 ON_PRESSURE = (
     COMMON
+    + context(PRESSURE_CONTEXT)
     + LARGE_GPU
     + offload(host_pool_size_gb=PRESSURE_HOST_GB, sparse_pool_slots=PRESSURE_SPARSE_POOL)
 )
+
+
+def expected_offload_token_budget(gpu_tokens: int) -> int:
+    """The flag-on server's token budget, worked out here from the sizing rule of
+    docs/kv_offload.md ("Sizing"): the GPU bytes the profiler grants at the flag-off cost per token
+    (KV + index row, every layer) pay first for the physical KV rows (per running request its
+    sparse slots and two tail pages, plus one context of prompt staging), and the rest for logical
+    tokens at the index row plus the LRU's 4 B location entry per layer. ON's host pool (ratio 1)
+    holds every logical token, so it does not cap the budget."""
+    budget = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS
+    physical = RUNNING * (SLOTS + 2 * PAGE) + CONTEXT
+    per_logical = (INDEX_ROW + 4) * LAYERS
+    return (budget - physical * KV_ROW * LAYERS) // per_logical // PAGE * PAGE
 
 
 def prompt(n: int, seed: int) -> List[int]:
@@ -98,10 +126,25 @@ def tokens(outs) -> List[List[int]]:
     return [out["output_ids"] for out in outs]
 
 
+def both(off: TinyServer, on: TinyServer, prompts, max_new_tokens: int):
+    """The same ``/generate`` call (all ``prompts``) on both servers at once; their outputs."""
+    out = {}
+    calls = [
+        threading.Thread(
+            target=lambda s=s: out.__setitem__(s, s.generate_batch(prompts, max_new_tokens))
+        )
+        for s in (off, on)
+    ]
+    for call in calls:
+        call.start()
+    for call in calls:
+        call.join()
+    return out[off], out[on]
+
+
 def assert_same_batch(off: TinyServer, on: TinyServer, prompts, max_new_tokens: int):
     """Both servers run ``prompts`` as one call; every request's tokens must be equal."""
-    ref = tokens(off.generate_batch(prompts, max_new_tokens))
-    got = tokens(on.generate_batch(prompts, max_new_tokens))
+    ref, got = (tokens(o) for o in both(off, on, prompts, max_new_tokens))
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a == b, f"request {i} ({len(prompts[i])} tokens) differs: {a} vs {b}"
     return got
@@ -184,90 +227,128 @@ def test_abort_mid_decode(main_pair):
     on.wait_no_leak()
 
 
-@pytest.fixture(scope="module")
-def pressure_pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pressure")
-    # With this workload the host budget makes requests wait but never runs decode out of tokens,
-    # so both twins also retract on upstream's test schedule (every 20 decode steps), which
-    # keeps their batches identical.
-    retract = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
-    specs = (
-        (OFF_SMALL, logs / "off_small.log", retract),
-        (ON_PRESSURE, logs / "on_pressure.log", retract),
-    )
-    with running(*specs) as servers:
-        yield servers
-
-
-PRESSURE_PROMPTS = [prompt(600, 200 + i) for i in range(8)]
-PRESSURE_NEW_TOKENS = 60
-
-
-def test_token_budget_with_the_same_gpu_budget(main_pair, pressure_pair):
-    """(c, first half) the same GPU budget (--max-total-tokens 4096) admits more tokens with the
-    flag: an offloaded token costs index keys on the GPU, its KV lives on the host."""
+def test_status_line_every_interval(main_pair):
+    """The operator's status line: one ``kv_offload: step N`` log line every ``status_log_interval``
+    decode steps, counting what ``/server_info`` counts."""
     _, on = main_pair
-    off_small, _ = pressure_pair
-    capacity_off = off_small.server_info()["max_total_num_tokens"]
+    steps = on.offload_state()["decode_steps"]
+    logged = [int(n) for n in re.findall(r"kv_offload: step (\d+), ", on.log())]
+    assert steps >= STATUS_INTERVAL, steps
+    assert logged == list(range(STATUS_INTERVAL, steps + 1, STATUS_INTERVAL))
+
+
+def test_token_budget_with_the_same_gpu_budget(main_pair):
+    """(c, first half) the same GPU budget (--max-total-tokens 4096) admits more tokens with the
+    flag: an offloaded token costs index keys on the GPU, its KV lives on the host. The figure is
+    worked out independently from the sizing rule (expected_offload_token_budget)."""
+    off, on = main_pair
     capacity_on = on.server_info()["max_total_num_tokens"]
-    print(
-        f"\n[admission] --max-total-tokens 4096 both: token budget without the flag "
-        f"{capacity_off}, with it {capacity_on}"
-    )
-    assert capacity_off == 4096
-    assert capacity_on > 3 * capacity_off
+    expected = expected_offload_token_budget(4096)
+    print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
+    assert capacity_on == expected > 3 * 4096
+    assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much
 
 
-def test_admission_pressure_waits_and_retracts(pressure_pair):
-    """(c) more concurrent work than the host pool holds: admission waits, running requests are
-    retracted and resumed, every request completes with the tokens of a flag-off server whose
-    token budget equals the host pool (so, fresh like it, it waits and retracts at the same
-    steps)."""
-    off, on = pressure_pair
-    assert on.server_info()["max_total_num_tokens"] == off.server_info()["max_total_num_tokens"]
-    outs = on.generate_batch(PRESSURE_PROMPTS, PRESSURE_NEW_TOKENS)
-    ref = off.generate_batch(PRESSURE_PROMPTS, PRESSURE_NEW_TOKENS)
-    assert tokens(outs) == tokens(ref)
-    retractions = [sum(o["meta_info"]["total_retractions"] for o in r) for r in (outs, ref)]
-    state = on.wait_no_leak()
-    print(
-        f"\n[pressure] host pool {state['initial_free']['host']} tokens, 8 x "
-        f"{600 + PRESSURE_NEW_TOKENS} tokens: retractions {retractions[0]} with the flag, "
-        f"{retractions[1]} without; most decoding at once {on.max_running_seen()} / "
-        f"{off.max_running_seen()}; prefill waits on GPU rows {state['prefill_waits']}"
-    )
-    assert retractions[0] > 0 and retractions[0] == retractions[1]
-    assert on.max_running_seen() < 8  # the others waited for host capacity
+class TestPressure:
+    """(c) more concurrent work than the host pool holds, against a flag-off twin whose token
+    budget equals the host pool (so, fresh like it, it waits and retracts at the same steps)."""
+
+    PROMPTS = [prompt(128, 200 + i) for i in range(RUNNING)]
+    NEW_TOKENS = 64
+
+    @pytest.fixture(scope="class")
+    def pressure_pair(self, tmp_path_factory):
+        logs = tmp_path_factory.mktemp("pressure")
+        # The host budget makes requests wait, but upstream's admission reserves a new request's
+        # whole max_new_tokens, so this workload never runs decode out of tokens: both twins
+        # also retract on upstream's test schedule (every 20 decode steps), which keeps their
+        # batches identical.
+        retract = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
+        specs = (
+            (OFF_SMALL, logs / "off_small.log", retract),
+            (ON_PRESSURE, logs / "on_pressure.log", retract),
+        )
+        with running(*specs) as servers:
+            yield servers
+
+    def test_admission_waits_and_retracts(self, pressure_pair):
+        off, on = pressure_pair
+        assert on.server_info()["max_total_num_tokens"] == PRESSURE_TOKENS
+        assert off.server_info()["max_total_num_tokens"] == PRESSURE_TOKENS
+        ref, outs = both(off, on, self.PROMPTS, self.NEW_TOKENS)
+        assert tokens(outs) == tokens(ref)
+        retractions = [sum(o["meta_info"]["total_retractions"] for o in r) for r in (outs, ref)]
+        state = on.wait_no_leak()
+        print(
+            f"\n[pressure] host pool {state['initial_free']['host']} tokens, {RUNNING} x "
+            f"{128 + self.NEW_TOKENS} tokens: retractions {retractions[0]} with the flag, "
+            f"{retractions[1]} without; most decoding at once {on.max_running_seen()} / "
+            f"{off.max_running_seen()}; prefill waits on GPU rows {state['prefill_waits']}"
+        )
+        assert retractions[0] > 0 and retractions[0] == retractions[1]
+        assert on.max_running_seen() < RUNNING  # the others waited for host capacity
+
+    def test_request_larger_than_the_host_pool_is_refused(self, pressure_pair):
+        """A prompt the host pool can never hold (context length allows it) gets an error
+        response at once, not a wait; the server serves on and nothing leaks."""
+        _, on = pressure_pair
+        too_long = prompt(PRESSURE_TOKENS + 200, 700)
+        start = time.time()
+        out = on.generate(too_long, 8)
+        assert time.time() - start < 60
+        # Upstream's input-length check: the token budget, which the host pool caps.
+        found = re.search(
+            r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)",
+            json.dumps(out),
+        )
+        assert found, out
+        assert int(found.group(1)) == len(too_long) and int(found.group(2)) < PRESSURE_TOKENS
+        assert len(tokens(on.generate(prompt(100, 701), 4))[0]) == 4
+        on.wait_no_leak()
 
 
-def test_overlap_scheduler_off(main_pair, tmp_path):
-    """(f) the same with --disable-overlap-schedule (the other tests run with it on)."""
-    off, _ = main_pair
-    with running((ON + ["--disable-overlap-schedule"], tmp_path / "no_overlap.log")) as (server,):
+CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_pool_slots=SLOTS)
+
+
+class TestSingleServers:
+    """Servers that each check one thing, started side by side."""
+
+    @pytest.fixture(scope="class")
+    def singles(self, tmp_path_factory):
+        logs = tmp_path_factory.mktemp("singles")
+        corrupt = {"KV_OFFLOAD_TEST_CORRUPT_LOADS": "1"}
+        servers = {
+            "no_overlap": TinyServer(ON + ["--disable-overlap-schedule"], logs / "no_overlap.log"),
+            "corrupt": TinyServer(ON, logs / "corrupt.log", corrupt),
+            "cannot_fit": TinyServer(CANNOT_FIT, logs / "cannot_fit.log"),
+        }
+        try:
+            yield servers
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    def test_overlap_scheduler_off(self, main_pair, singles):
+        """(f) the same with --disable-overlap-schedule (the other tests run with it on)."""
+        off, _ = main_pair
+        server = singles["no_overlap"].wait_ready()
         prompts = [prompt(n, 400 + n) for n in (300, 700)]
         assert_same_batch(off, server, prompts, 24)
         server.wait_no_leak()
 
-
-def test_negative_control_corrupted_loads_change_tokens(main_pair, tmp_path):
-    """The comparison can fail: with every row loaded from the host taken from the wrong host
-    slot (test-only fault injection), the tokens differ."""
-    off, _ = main_pair
-    corrupt = {"KV_OFFLOAD_TEST_CORRUPT_LOADS": "1"}
-    with running((ON, tmp_path / "corrupt.log", corrupt)) as (server,):
+    def test_negative_control_corrupted_loads_change_tokens(self, main_pair, singles):
+        """The comparison can fail: with every row loaded from the host taken from the wrong host
+        slot (test-only fault injection), the tokens differ."""
+        off, _ = main_pair
+        server = singles["corrupt"].wait_ready()
         ids = prompt(800, 500)
-        out = tokens(server.generate(ids, 24))
+        ref, out = (tokens(o) for o in both(off, server, [ids], 24))
         assert server.offload_state()["loaded"] > 0
-        assert out != tokens(off.generate(ids, 24))
+        assert out != ref
 
-
-def test_config_that_cannot_fit_fails_at_start_up(tmp_path):
-    """A sparse pool too small to stage one prompt beside one request's slots: a clear error."""
-    server = TinyServer(
-        COMMON + SMALL_GPU + offload(sparse_pool_slots=SLOTS), tmp_path / "too_small.log"
-    )
-    try:
+    def test_config_that_cannot_fit_fails_at_start_up(self, singles):
+        """A sparse pool too small to stage one prompt beside one request's slots: a clear
+        error."""
+        server = singles["cannot_fit"]
         assert server.proc.wait(300) != 0
         assert "sparse_pool_slots=128 cannot stage a prompt" in server.log()
-    finally:
-        server.stop()

@@ -1,7 +1,9 @@
-"""The upstream hooks reach kv offload: pool construction, the decode step and request release.
+"""PD decode hooks: pre-allocation, transfer destinations, the decode step and request release.
 
-Drives the patched upstream functions themselves (``ScheduleBatch.prepare_for_decode``,
-``alloc_for_decode``, ``release_kv_cache``, ``ChunkCache``) with the real pools on CPU.
+Drives the patched upstream functions themselves (``DecodePreallocQueue._pre_alloc``,
+``ScheduleBatch.prepare_for_decode``, ``release_kv_cache``, ``ChunkCache``) with the real pools on
+CPU, through a stand-in model runner. Co-located serving is tested on the real server
+(test_real_server.py); these remain until the PD pair runs as real servers.
 """
 
 import json
@@ -83,26 +85,6 @@ def offload_server_args():
     server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
     yield
     server_args_module._global_server_args = saved
-    runtime.set_coordinator(None)
-
-
-def test_build_replaces_the_pool_and_resplits_the_budget():
-    runner = make_runner()
-    pool, allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
-    assert isinstance(pool, KVOffloadNSATokenToKVPool)
-    assert isinstance(allocator, KVOffloadTokenToKVPoolAllocator)
-    # 4 requests x (128 slots + 2 pages) + one 512-token prompt in flight.
-    assert pool.physical_size == 4 * (128 + 2 * P) + 512
-    budget = 4096 * (656 + 132) * LAYERS
-    kv = pool.physical_size * 656 * LAYERS
-    expect_logical = (budget - kv) // ((132 + 4) * LAYERS) // P * P
-    assert pool.logical_size == expect_logical > 4096
-    # What the scheduler's idle leak check compares: free tokens when nothing is allocated, i.e.
-    # logical tokens capped by host slots (the host pool holds one slot per logical token here).
-    assert runner.max_total_num_tokens == allocator.available_size() == pool.logical_size
-    assert runner.hisparse_coordinator is runtime.get_coordinator()
-    assert allocator.host_pool is not None and allocator.host_pool.size >= pool.logical_size
-    runtime.set_coordinator(None)
 
 
 def chunk_cache(runner) -> ChunkCache:
@@ -139,6 +121,7 @@ def _batch(runner, tree_cache, reqs):
         seq_lens_sum=int(seq.sum()),
         enable_overlap=False,
         hisparse_coordinator=None,
+        token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
         device="cpu",
     )
     batch.maybe_evict_swa = types.MethodType(ScheduleBatch.maybe_evict_swa, batch)
@@ -166,18 +149,6 @@ def new_req(prompt_len):
     return req
 
 
-def _admit_prompt(runner, prompt_len):
-    """What PD decode's pre-allocation does: logical + physical rows for the whole prompt."""
-    allocator = runner.token_to_kv_pool_allocator
-    req = new_req(prompt_len)
-    runner.req_to_token_pool.alloc([req])
-    seq = torch.tensor([prompt_len])
-    z = torch.zeros(1, dtype=torch.int64)
-    locs = allocator.alloc_extend(z, z, seq, seq, torch.full((1,), -1), prompt_len)
-    runner.req_to_token_pool.req_to_token[req.req_pool_idx, :prompt_len] = locs.to(torch.int32)
-    return req
-
-
 def pd_prealloc_through_decode_queue(runner, prompt_len):
     """The patched ``DecodePreallocQueue._pre_alloc`` (kv offload branch) for a new request."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
@@ -196,19 +167,22 @@ def pd_prealloc_through_decode_queue(runner, prompt_len):
 
 @pytest.mark.parametrize("direct", [False, True], ids=["gpu_pages", "direct_to_host"])
 @pytest.mark.parametrize("ending", ["finish", "abort_mid_backup"])
-def test_request_life_through_the_patched_scheduler_functions(offload_server_args, ending, direct):
+def test_pd_request_life_through_the_patched_scheduler_functions(
+    offload_server_args, ending, direct
+):
     config = {"sparse_slots_per_req": 128, "pd_direct_to_host": direct}
     runner = make_runner(config=config)
     allocator = runner.token_to_kv_pool_allocator
-    coordinator = runtime.get_coordinator()
+    kv_offload = allocator.kv_offload
+    coordinator = kv_offload.coordinator
     start = allocator.free_counts()
     tree_cache = chunk_cache(runner)
     if direct:
         reqs = [pd_prealloc_through_decode_queue(runner, n) for n in (130, 64)]
         assert allocator.physical_available_size() == start["physical"]
-        runtime.admit_transferred(reqs)  # the patched process_decode_queue, at transfer success
+        kv_offload.admit_transferred(reqs)  # the patched process_decode_queue, at transfer success
     else:
-        reqs = [_admit_prompt(runner, n) for n in (130, 64)]
+        reqs = [pd_prealloc_through_decode_queue(runner, n) for n in (130, 64)]
     steps = 1 if ending == "abort_mid_backup" else 70
     for _ in range(steps):
         batch = _batch(runner, tree_cache, reqs)
@@ -242,22 +216,25 @@ def test_direct_to_host_destination_is_the_host_pages(offload_server_args):
 
     runner = make_runner(config={"sparse_slots_per_req": 128, "pd_direct_to_host": True})
     allocator = runner.token_to_kv_pool_allocator
+    kv_offload = allocator.kv_offload
     host = allocator.host_pool
     # The registered KV buffers are the host pool's layers, one item a GPU-sized page.
-    ptrs, lens, items = runtime.pd_kv_buf_infos(runner.token_to_kv_pool)
+    ptrs, lens, items = kv_offload.pd_kv_buf_infos()
     assert ptrs == [host.kv_buffer[i].data_ptr() for i in range(LAYERS)]
     assert lens == [host.size * 656] * LAYERS
     assert items == runner.token_to_kv_pool.get_contiguous_buf_infos()[2] == [P * 656] * LAYERS
     req = pd_prealloc_through_decode_queue(runner, 150)
     logical = runner.req_to_token_pool.req_to_token[req.req_pool_idx, :150]
-    slots = runtime.pd_kv_destination_locs(logical)
+    slots = kv_offload.pd_kv_destination_locs(logical)
     assert torch.equal(slots.long(), allocator.loc_to_host[logical.long()])
     pages = kv_to_page_indices(slots.numpy(), P)
     assert len(pages) == 3 and bool((torch.from_numpy(slots.numpy()) % P == logical % P).all())
     # A request that skipped admission at transfer success is refused at its first decode step.
     with pytest.raises(RuntimeError, match="without admission"):
-        runtime.prepare_decode_step(SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([151])))
-    runtime.release_request(req.req_pool_idx)
+        kv_offload.prepare_decode_step(
+            SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([151]))
+        )
+    kv_offload.release_request(req.req_pool_idx)
     allocator.free(logical.long())
     assert allocator.host_pool.available_size() == host.size
 
@@ -266,15 +243,6 @@ def test_direct_to_host_sparse_pool_must_fit_every_request():
     config = {"sparse_slots_per_req": 128, "sparse_pool_slots": 512, "pd_direct_to_host": True}
     with pytest.raises(KVOffloadConfigError, match="too small for pd_direct_to_host"):
         make_runner(config=config)
-    runtime.set_coordinator(None)
-
-
-def test_flag_off_hooks_do_nothing(offload_server_args):
-    server_args_module._global_server_args.enable_kv_offload = False
-    runtime.set_coordinator(None)
-    req = SimpleNamespace(req_pool_idx=3)
-    runtime.release_request(req.req_pool_idx)  # no coordinator: a no-op, no error
-    runtime.prepare_decode_step(SimpleNamespace(reqs=[req], seq_lens_cpu=torch.tensor([5])))
 
 
 def test_pd_destination_pages_are_the_physical_pages(offload_server_args):
@@ -282,9 +250,9 @@ def test_pd_destination_pages_are_the_physical_pages(offload_server_args):
 
     runner = make_runner()
     pool = runner.token_to_kv_pool
-    req = _admit_prompt(runner, 150)
+    req = pd_prealloc_through_decode_queue(runner, 150)
     logical = runner.req_to_token_pool.req_to_token[req.req_pool_idx, :150]
-    physical = runtime.physical_kv_locs(logical)
+    physical = runner.token_to_kv_pool_allocator.kv_offload.pd_kv_destination_locs(logical)
     assert physical.dtype == logical.dtype
     # Same in-page offsets, whole physical pages: the page ids the prefill side writes to.
     assert torch.equal(physical % P, logical % P)
@@ -298,30 +266,3 @@ def test_pd_destination_pages_are_the_physical_pages(offload_server_args):
         flat[page * P : page * P + chunk.shape[0]] = chunk
     mapping = runner.token_to_kv_pool_allocator.full_to_hisparse_device_index_mapping
     assert torch.equal(flat[mapping[logical.long()]], rows)
-
-
-@pytest.mark.parametrize("programs", [0, 4])
-def test_h2d_programs_per_req_picks_the_load_shape(programs):
-    runner = make_runner(config={"sparse_slots_per_req": 128, "h2d_programs_per_req": programs})
-    coordinator = runtime.get_coordinator()
-    # 0: one strided pass over a compact miss list; n > 0: n programs per request.
-    assert coordinator.grouped_loads is (programs > 0)
-    if programs:
-        assert coordinator.controller.group_load_config.num_programs == programs
-    runtime.set_coordinator(None)
-    del runner
-
-
-def test_status_line_is_logged_every_interval(offload_server_args, caplog):
-    runner = make_runner(config={"sparse_slots_per_req": 128, "status_log_interval": 3})
-    coordinator = runtime.get_coordinator()
-    tree_cache = chunk_cache(runner)
-    reqs = [_admit_prompt(runner, 100)]
-    with caplog.at_level("INFO", logger="sglang.srt.mem_cache.sparsity.kv_offload.coordinator"):
-        for _ in range(7):
-            ScheduleBatch.prepare_for_decode(_batch(runner, tree_cache, reqs))
-    lines = [r.getMessage() for r in caplog.records if "kv_offload: step" in r.getMessage()]
-    assert [line.split(",")[0] for line in lines] == ["kv_offload: step 3", "kv_offload: step 6"]
-    assert "1 requests (0 without slots), 1 promised" in lines[-1]
-    release_kv_cache(reqs[0], tree_cache, is_insert=False)
-    coordinator.drain()

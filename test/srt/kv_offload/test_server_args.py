@@ -1,13 +1,17 @@
 """--enable-kv-offload through the real (patched) ServerArgs, offline, on a tiny DeepSeek-V3.2 config."""
 
+import glob
 import os
+import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfigError
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 DSA_MODEL = os.path.join(FIXTURES, "tiny-deepseek-v32")
 LLAMA_MODEL = os.path.join(FIXTURES, "tiny-llama")
@@ -33,20 +37,40 @@ def rejected(args) -> str:
 
 
 def test_flag_parses_and_validates():
+    from sglang.srt.mem_cache.sparsity.kv_offload.config import (
+        KVOffloadConfig,
+        validate_server_args,
+    )
+
     args = make_args("--enable-kv-offload", "--kv-offload-config", '{"sparse_slots_per_req": 8192}')
     assert args.enable_kv_offload is True
     assert args.kv_offload_config == '{"sparse_slots_per_req": 8192}'
     args.check_server_args()
+    assert validate_server_args(args) == KVOffloadConfig(sparse_slots_per_req=8192)
 
 
-def test_flag_off_by_default():
+def test_flag_off_by_default(monkeypatch):
+    import sglang.srt.mem_cache.sparsity.kv_offload.config as kv_offload_config
+
+    def must_not_run(server_args):
+        raise AssertionError("kv offload validation ran with the flag off")
+
+    monkeypatch.setattr(kv_offload_config, "validate_server_args", must_not_run)
     args = make_args()
     assert args.enable_kv_offload is False and args.kv_offload_config is None
+    args.page_size = 1  # rejected with the flag on (test_page_size_not_64)
     args.check_server_args()
+    # The same settings with the flag on do reach the (patched-out) validation.
+    args.enable_kv_offload = True
+    with pytest.raises(AssertionError, match="ran with the flag off"):
+        args.check_server_args()
 
 
 def test_fp8_kv_with_flashmla_kv_is_accepted():
-    make_args("--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3").check_server_args()
+    args = make_args("--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3")
+    # ServerArgs picks flashmla_kv for fp8 KV on SM90 when no decode backend is given.
+    assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
+    args.check_server_args()
 
 
 def test_config_without_flag():
@@ -173,22 +197,257 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_default_path_imports_no_kv_offload_module():
+    """Flag off: no kv offload module is importable, yet the patched upstream paths run as upstream's.
+
+    A meta-path finder refuses every kv offload import, so a flag-off path that reached one would
+    fail; upstream's release_kv_cache (patched by 0003) must still hand the request to the tree
+    cache and free its req_to_token row. With the flag turned on the same call must reach kv
+    offload (an import or the allocator's ``kv_offload``), which shows the finder and stand-ins
+    would catch it.
+    """
     code = f"""
 import sys, torch
+
+BLOCKED = ("sglang.srt.mem_cache.sparsity.kv_offload", "sglang.srt.layers.attention.nsa_offload")
+attempts = []
+
+
+class RefuseKVOffload:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(BLOCKED):
+            attempts.append(name)
+            raise ImportError("kv offload imported on the flag-off path: " + name)
+        return None
+
+
+sys.meta_path.insert(0, RefuseKVOffload())
 torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-from sglang.srt.server_args import prepare_server_args
+from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
 args = prepare_server_args({["--model-path", DSA_MODEL, *BASE]!r})
 args.check_server_args()
 assert args.enable_kv_offload is False
 # The patched upstream modules import nothing of kv offload while the flag is off.
 import sglang.srt.managers.scheduler, sglang.srt.managers.schedule_batch, sglang.srt.mem_cache.common
 import sglang.srt.model_executor.model_runner, sglang.srt.disaggregation.decode
+from sglang.srt.mem_cache.common import release_kv_cache
+
+set_global_server_args_for_scheduler(args)
+touched = []
+
+
+class Recorder:
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        touched.append(self._name + "." + attr)
+        return Recorder(self._name + "." + attr)
+
+    def __call__(self, *a, **k):
+        touched.append(self._name + "()")
+        return None
+
+
+class Req:
+    def __init__(self):
+        self.req_pool_idx, self.mamba_pool_idx = 3, None
+
+    def pop_overallocated_kv_cache(self):
+        return 100, 100
+
+
+class ReqToTokenPool:
+    def __init__(self):
+        self.freed = []
+
+    def free(self, req):
+        self.freed.append(req)
+
+
+class Allocator:
+    def __init__(self):
+        self.kv_offload = Recorder("allocator.kv_offload")
+        self.freed = []
+
+    def free(self, indices):
+        self.freed.append(indices)
+
+
+class Tree:
+    def __init__(self):
+        self.finished = []
+        self.req_to_token_pool = ReqToTokenPool()
+        self.token_to_kv_pool_allocator = Allocator()
+
+    def supports_mamba(self):
+        return False
+
+    def cache_finished_req(self, req, is_insert=True):
+        self.finished.append((req, is_insert))
+
+
+req, tree = Req(), Tree()
+release_kv_cache(req, tree)
+assert len(tree.finished) == 1 and tree.finished[0][0] is req and tree.finished[0][1] is True
+assert tree.req_to_token_pool.freed == [req] and tree.token_to_kv_pool_allocator.freed == []
+assert touched == [] and attempts == [], (touched, attempts)
 loaded = sorted(m for m in sys.modules if "kv_offload" in m or "nsa_offload" in m)
 print("LOADED", loaded)
+
+# Control: the same call with the flag on does reach kv offload.
+args.enable_kv_offload = True
+try:
+    release_kv_cache(Req(), Tree())
+    outcome = "returned"
+except Exception as exc:
+    outcome = type(exc).__name__
+print("FLAG-ON", outcome, bool(attempts), bool(touched))
+assert attempts or touched, outcome
 """
     res = _run(code)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "LOADED []" in res.stdout
+    assert "FLAG-ON" in res.stdout
+
+
+_HUNK = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_GUARD = re.compile(r"^\s*(if|elif)\b")
+# Patch 0001 declares the flags themselves: the ServerArgs fields and their argparse defaults.
+_FLAG_DECLARATIONS = re.compile(r"^\s*\w*kv_offload\w*\s*:|^\s*default=ServerArgs\.\w*kv_offload")
+
+
+def _patch_hunks(text: str):
+    """(file, hunk lines with their ' '/'+'/'-' tag) for each hunk of a git patch."""
+    lines, i, path = text.splitlines(), 0, None
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if line.startswith("+++ "):
+            path = line[4:].removeprefix("b/")
+            continue
+        m = _HUNK.match(line)
+        if not m or path is None:
+            continue
+        old, new, body = int(m.group(1) or 1), int(m.group(2) or 1), []
+        while (old > 0 or new > 0) and i < len(lines):
+            line = lines[i] or " "
+            i += 1
+            if line.startswith("\\"):
+                continue
+            body.append(line)
+            old -= line[0] in " -"
+            new -= line[0] in " +"
+        yield path, body
+
+
+def _indent(code: str) -> int:
+    return len(code) - len(code.lstrip())
+
+
+def _code(code: str) -> str:
+    """The line without a comment; '' for comment lines and string-literal (help text) lines."""
+    stripped = code.strip()
+    if stripped.startswith(("#", '"', "'", 'f"', "f'", "help=")):
+        return ""
+    return re.sub(r"\s+#.*$", "", code)
+
+
+def _is_guard(statement: str) -> bool:
+    return (
+        bool(_GUARD.match(statement))
+        and "enable_kv_offload" in statement
+        and not re.search(r"\bnot\s+[\w.()]*enable_kv_offload", statement)
+    )
+
+
+def _guarded(body, k: int) -> bool:
+    """Is added line ``k`` inside an ``if``/``elif`` block that tests enable_kv_offload?"""
+    line = body[k][1:]
+    if _is_guard(line):  # e.g. `if self.enable_kv_offload or self.kv_offload_config ...:`
+        return True
+    indent = _indent(line)
+    for j in range(k - 1, -1, -1):
+        if body[j][0] == "-":
+            continue  # not in the patched file
+        prev = body[j][1:]
+        if not prev.strip() or prev.strip().startswith("#") or _indent(prev) >= indent:
+            continue
+        statement, level = prev, _indent(prev)
+        if prev.strip().startswith((")", "]")):  # a multi-line condition: join it back to its start
+            for jj in range(j - 1, -1, -1):
+                if body[jj][0] != "-":
+                    statement = body[jj][1:] + " " + statement
+                    if body[jj][1:].strip() and _indent(body[jj][1:]) == level:
+                        break
+        if _is_guard(statement):
+            return True
+        indent = level
+    return False
+
+
+def unguarded_kv_offload_lines(patch_text: str):
+    """(added kv offload references, those outside an enable_kv_offload block) of one patch."""
+    references, unguarded = [], []
+    for path, body in _patch_hunks(patch_text):
+        for k, line in enumerate(body):
+            if line[0] != "+":
+                continue
+            code = _code(line[1:])
+            if "kv_offload" not in code.replace("enable_kv_offload", ""):
+                continue
+            if path.endswith("server_args.py") and _FLAG_DECLARATIONS.match(code):
+                continue
+            references.append((path, line))
+            if not _guarded(body, k):
+                unguarded.append((path, line))
+    return references, unguarded
+
+
+def test_every_patched_kv_offload_reference_is_behind_the_flag():
+    patches = sorted(glob.glob(os.path.join(ROOT, "patches", "*.patch")))
+    assert patches
+    total = 0
+    for name in patches:
+        references, unguarded = unguarded_kv_offload_lines(open(name).read())
+        where = os.path.basename(name)
+        assert unguarded == [], f"{where}: not behind enable_kv_offload: {unguarded}"
+        total += len(references)
+    assert total >= len(patches)  # every patch hooks kv offload somewhere
+
+
+def test_flag_guard_check_finds_unguarded_references():
+    bad = textwrap.dedent("""\
+        diff --git a/python/x.py b/python/x.py
+        --- a/python/x.py
+        +++ b/python/x.py
+        @@ -1,3 +1,17 @@
+         def f(args, alloc):
+        +    if args.enable_kv_offload:
+        +        alloc.kv_offload.guarded()
+        +    else:
+        +        alloc.kv_offload.in_else()
+        +    alloc.kv_offload.after_the_block()
+        +    from sglang.srt.mem_cache.sparsity.kv_offload import runtime  # unguarded
+        +    if not args.enable_kv_offload:
+        +        alloc.kv_offload.negated()
+        +    if (
+        +        args.enable_kv_offload
+        +        and alloc is not None
+        +    ):
+        +        alloc.kv_offload.multi_line_guard()
+        +    # kv_offload in a comment is fine
+             x = 1
+             return x
+        """)
+    references, unguarded = unguarded_kv_offload_lines(bad)
+    assert len(references) == 6
+    assert [line.split("kv_offload")[1][:12] for _, line in unguarded] == [
+        ".in_else()",
+        ".after_the_b",
+        " import runt",
+        ".negated()",
+    ]
 
 
 def test_launch_server_help_lists_the_flags():

@@ -41,11 +41,17 @@ def test_check_applies_series_to_pristine_base():
     assert "python/sglang/srt/server_args.py" in res.stdout
 
 
-def test_help_lists_commands():
-    res = run_tool("--help")
-    assert res.returncode == 0
-    for command in ("build", "refresh", "check"):
-        assert command in res.stdout
+def test_unknown_or_missing_command_is_an_error(tmp_path):
+    build = tmp_path / "build"
+    res = run_tool("--build-dir", str(build), "bogus")
+    assert res.returncode == 2 and res.stdout == ""
+    assert "invalid choice: 'bogus'" in res.stderr
+    assert "'build', 'refresh', 'check'" in res.stderr  # the commands it does know
+    # No command at all is refused the same way (not a traceback from a missing handler).
+    res = run_tool("--build-dir", str(build))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "required: command" in res.stderr
+    assert not build.exists()
 
 
 def test_overlay_may_not_shadow_upstream(tool, tmp_path, monkeypatch):

@@ -95,6 +95,14 @@ def test_host_pool_and_cache_controller():
         io_backend="direct",
     )
     assert controller.layer_num == 2
+    # host_to_device_ratio 2.0 over a 4-page device pool: 512 slots, which upstream's "align up"
+    # (size // page + 1 pages) turns into 9 pages even though 512 is already page aligned.
+    size = 9 * PAGE
+    assert host.size == size and host.available_size() == size
     host_indices = host.alloc(PAGE)
     assert host_indices.numel() == PAGE
+    assert host.available_size() == size - PAGE
+    assert torch.unique(host_indices).numel() == PAGE
+    assert bool((host_indices >= 0).all()) and bool((host_indices < size).all())
     host.free(host_indices)
+    assert host.available_size() == size

@@ -45,8 +45,6 @@ class KVOffloadConfig:
             compact miss list (``transfer.default_load_launch_config``), the faster shape with a
             real multi-layer host pool on the H200; N > 0: a grid of ``(batch, N)`` programs, N per
             request (faster only while the host pool is small enough for warm address translation).
-        backup_chunk_tokens: tokens per prompt-backup launch on the write stream (multiple of 64);
-            bounds how long one backup occupies the copy path.
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
             into the decode host pool (registered with the transfer engine), so no GPU page stages
             the prompt and no backup copies it; the NSA index state still goes to the GPU.
@@ -60,7 +58,6 @@ class KVOffloadConfig:
     host_pool_ratio: float = 1.0
     pin_host_memory: bool = True
     h2d_programs_per_req: int = 0
-    backup_chunk_tokens: int = 8192
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
 
@@ -143,11 +140,6 @@ class KVOffloadConfig:
         _require(
             self.status_log_interval >= 0,
             f"status_log_interval={self.status_log_interval} must be >= 0 (0 turns it off)",
-        )
-        _require(
-            self.backup_chunk_tokens > 0 and self.backup_chunk_tokens % PAGE_SIZE == 0,
-            f"backup_chunk_tokens={self.backup_chunk_tokens} must be a positive multiple of "
-            f"{PAGE_SIZE}",
         )
 
 

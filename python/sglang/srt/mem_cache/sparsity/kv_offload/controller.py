@@ -8,8 +8,7 @@
 * ``cancel``: an aborted request's in-flight backups free their host slots when the copy is done
   (never earlier: the write stream may still be storing into them).
 
-Imported only when ``--enable-kv-offload`` is on (upstream ``cache_controller`` needs
-``sgl_kernel`` at import time).
+Imported only when ``--enable-kv-offload`` is on.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, List, Optional, Sequence, Tuple
 
 import torch
-from sglang.srt.managers.cache_controller import HiCacheController, device_module
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadNSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
@@ -36,8 +34,10 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     default_launch_config,
     default_load_launch_config,
 )
+from sglang.srt.utils import get_device_module
 
 logger = logging.getLogger(__name__)
+device_module = get_device_module()
 
 _DEBUG = os.environ.get("SGLANG_KV_OFFLOAD_DEBUG", "0").lower() in ("1", "true")
 
@@ -63,12 +63,14 @@ class BackupHandle:
         return self.host_slots.numel()
 
 
-class KVOffloadCacheController(HiCacheController):
-    """``HiCacheController`` with kv_offload's token-granular load and page backups.
+class KVOffloadCacheController:
+    """kv offload's host tier: token-granular loads into sparse slots and page backups.
 
-    Reuses upstream's ``write_stream`` / ``load_stream``, ``tp_group`` and the MIN-all-reduce ack
-    pattern; does not use its CacheOperation queues (their loads allocate device rows, ours go to
-    pre-reserved sparse slots).
+    Not a ``HiCacheController``: its operation queues allocate device rows per load and its layer
+    counters wait per layer on a load stream, while kv offload's loads go into slots planned
+    inside the forward, on the forward stream. It keeps HiCache's conventions: backups on a
+    dedicated ``write_stream`` ordered after the forward by events, completion agreed across TP
+    ranks by a MIN all-reduce over the CPU group.
     """
 
     def __init__(
@@ -81,16 +83,13 @@ class KVOffloadCacheController(HiCacheController):
         group_load_config: Optional[CopyLaunchConfig] = None,
         debug: bool = _DEBUG,
     ):
-        super().__init__(
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            mem_pool_host=mem_pool_host,
-            page_size=mem_pool_host.page_size,
-            tp_group=tp_group,
-            load_cache_event=None,
-            write_policy="write_through",
-            io_backend="kernel",
-        )
-        pool: KVOffloadNSATokenToKVPool = self.mem_pool_device
+        pool: KVOffloadNSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
+        self.mem_pool_device = pool
+        self.mem_pool_host = mem_pool_host
+        self.page_size = mem_pool_host.page_size
+        self.tp_group = tp_group
+        self.device = pool.device
+        self.write_stream = device_module.Stream()
         if pool.row_bytes != mem_pool_host.row_bytes:
             raise ValueError(
                 f"device KV rows are {pool.row_bytes} B but host rows {mem_pool_host.row_bytes} B; "
@@ -240,6 +239,8 @@ class KVOffloadCacheController(HiCacheController):
 
         locs_all = torch.cat([it[1] for it in items]).to(torch.int64)
         device_rows = self.allocator.full_to_hisparse_device_index_mapping[locs_all]
+        if host_all.device.type == "cpu" and torch.device(self.device).type == "cuda":
+            host_all = host_all.pin_memory()  # a pageable source would make the copy synchronous
         host_dev = host_all.to(self.device, non_blocking=True)
 
         start_event = device_module.Event()
@@ -374,18 +375,7 @@ class KVOffloadCacheController(HiCacheController):
         """Cancel every in-flight backup of ``tag``; returns how many."""
         return sum(self.cancel(h) for h in self.inflight if h.tag == tag)
 
-    abort = cancel_tag
-
-    def release_request(self, tag: Hashable, logical_locs: torch.Tensor) -> None:
-        """Finish / abort / retract: cancel in-flight backups, free logical, physical and host."""
-        self.cancel_tag(tag)
-        self.allocator.free(logical_locs)
-
     def has_inflight(self, tag: Hashable = None) -> bool:
         if tag is None:
             return bool(self.inflight)
         return any(h.tag == tag and not h.cancelled for h in self.inflight)
-
-    def reset(self):
-        self.drain()
-        super().reset()

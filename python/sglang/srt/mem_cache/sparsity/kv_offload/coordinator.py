@@ -1,4 +1,4 @@
-"""Per-request offload life cycle and the per-layer swap-in for ``--enable-kv-offload``.
+"""Per-request offload life cycle for ``--enable-kv-offload`` (the scheduler side).
 
 A request's KV moves through three places:
 
@@ -16,9 +16,10 @@ A PD decode server with ``pd_direct_to_host`` skips the first place for the prom
 side writes it straight into host pages (:meth:`admit_from_host` takes it over from there).
 
 The scheduler-side calls (:meth:`admit`, :meth:`admit_from_host`, :meth:`before_decode_step`,
-:meth:`release`) run between
-forward passes and may touch host state; :meth:`swap_in_selected_pages` runs inside the forward
-(CUDA-graph safe: fixed shapes, device-side counts, no sync, no allocation).
+:meth:`poll`, :meth:`release`) run between forward passes and may touch host state; the per-layer
+swap-in inside the forward is the attention adapter's
+(:class:`sglang.srt.layers.attention.nsa_offload.adapter.NSAOffloadAdapter`), which reads the
+state kept here.
 """
 
 from __future__ import annotations
@@ -28,12 +29,7 @@ import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
-    STAT_NAMES,
-    PlanWorkspace,
-    plan_layer,
-    topk_positions_to_locs,
-)
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES, PlanWorkspace
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
@@ -55,14 +51,15 @@ class OffloadedRequest:
 
 
 class KVOffloadCoordinator:
-    """Owns every request's offload state; the only object the hooks talk to.
+    """Owns every request's offload state.
 
     Args:
         req_to_token: ``ReqToTokenPool.req_to_token`` (logical locs per request position).
         allocator: ``KVOffloadTokenToKVPoolAllocator`` (logical, physical and host bookkeeping).
         controller: ``KVOffloadCacheController`` (loads and backups).
         sparse_cache: the GPU LRU state; its slot allocator is the physical allocator.
-        max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace.
+        max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace
+            the attention adapter plans into.
         pd_direct_to_host: PD prompts arrive in host pages (:meth:`admit_from_host`), not GPU rows.
         forward_stream: the stream the model runner's forwards run on (``ModelRunner.forward_stream``).
             Under the overlap scheduler the scheduler-side calls run while the previous batch's
@@ -106,9 +103,6 @@ class KVOffloadCoordinator:
         self.pd_direct_to_host = pd_direct_to_host
         self.forward_stream = forward_stream if self.device.type == "cuda" else None
         self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
-        # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; hooks set it before replay.
-        self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=self.device)
-        self.topk_locs = torch.full((max_bs, self.topk), -1, dtype=torch.int32, device=self.device)
         self.requests: Dict[int, OffloadedRequest] = {}
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
@@ -258,7 +252,6 @@ class KVOffloadCoordinator:
         rows they could not be given: slots that could not grow with the context, or a plan error
         flag raised by an earlier step (then every request of the step).
         """
-        self._after_inflight_forward()
         self.poll()
         self.decode_steps += 1
         if self.status_log_interval and self.decode_steps % self.status_log_interval == 0:
@@ -298,7 +291,10 @@ class KVOffloadCoordinator:
         )
 
     def poll(self) -> int:
-        """Complete finished backups without blocking; returns how many completed."""
+        """Complete finished backups without blocking (every scheduler iteration, and before
+        anything that reads free counts); returns how many completed. Completion frees physical
+        pages and changes the mapping an in-flight forward reads, so it is ordered after it."""
+        self._after_inflight_forward()
         return len(self.controller.poll())
 
     def release(self, req_pool_idx: int, free_kv: bool = False) -> bool:
@@ -327,58 +323,6 @@ class KVOffloadCoordinator:
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
         self.controller.drain()
-
-    # ------------------------------------------------------------------ forward side (graph safe)
-    def set_num_real_reqs(self, n: int) -> None:
-        self.num_real_reqs.fill_(n)
-
-    def swap_in_selected_pages(
-        self,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        topk_indices: torch.Tensor,
-        layer_id: int,
-        topk_are_positions: bool = True,
-    ) -> torch.Tensor:
-        """Resolve one layer's top-k to rows of ``kv_buffer[layer]``, loading the misses first.
-
-        This is HiSparse's coordinator method of the same name and contract, which
-        ``NativeSparseAttnBackend.forward_decode`` already calls when the model runner holds a
-        coordinator: ``topk_indices`` are token positions (HiSparse switches the decode indexer to
-        unfused top-k), -1 padded. Returns ``(bs, topk)`` int32 rows (-1 kept) in a workspace tensor;
-        the indexer's tensor is never written (the next layer may reuse it). Graph safe.
-        """
-        del seq_lens  # tail rows are found through the logical->physical mapping instead
-        grouped = self.grouped_loads
-        if topk_are_positions:
-            topk = topk_positions_to_locs(
-                topk_indices,
-                req_pool_indices,
-                self.req_to_token,
-                self.num_real_reqs,
-                self.topk_locs,
-            )
-        else:
-            topk = topk_indices
-        plan = plan_layer(
-            topk,
-            req_pool_indices,
-            self.num_real_reqs,
-            self.allocator.loc_to_host,
-            self.allocator.full_to_hisparse_device_index_mapping,
-            self.sparse_cache.layer(layer_id),
-            self.workspace,
-            compact=not grouped,
-        )
-        if grouped:
-            self.controller.load_one_layer(
-                layer_id, plan.miss_host, plan.miss_dst, group_counts=plan.num_misses
-            )
-        else:
-            self.controller.load_one_layer(
-                layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
-            )
-        return plan.out_indices
 
     # ------------------------------------------------------------------ helpers
     def _after_inflight_forward(self) -> None:
@@ -452,7 +396,6 @@ class KVOffloadCoordinator:
     def offload_state(self) -> Dict[str, object]:
         """What ``GET /get_server_info`` reports as ``internal_states[i]["kv_offload"]``: free
         counts now and at start (equal when nothing leaked), live requests and counters."""
-        self._after_inflight_forward()
         self.poll()
         return {
             "free": self.allocator.free_counts(),

@@ -1,7 +1,8 @@
 """GPU side of kv_offload: logical/physical split NSA pool, its allocator and GPU sizing.
 
 * Logical locations (``req_to_token`` entries) address the indexer key buffer
-  (``index_k_with_scale_buffer``, 132 B/token/layer) for the whole context of every request.
+  (``index_k_with_scale_buffer``, :func:`index_row_bytes` per token and layer: 132 B for
+  DeepSeek-V3.2's 128-dim keys) for the whole context of every request.
 * Physical KV rows (656 B fp8 layout / 1152 B bf16 per token and layer) exist only for the sparse
   cache slots and for tokens not yet backed up to the host (prompt pages in flight, decode tail).
 * ``full_to_hisparse_device_index_mapping[logical] -> physical row`` (0 = none) is upstream's
@@ -25,13 +26,16 @@ from sglang.srt.mem_cache.hisparse_memory_pool import (
     HiSparseTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE
+from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import free_whole_pages
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 from sglang.srt.utils import get_num_new_pages
 
 logger = logging.getLogger(__name__)
 
-NSA_INDEX_HEAD_DIM = 128
-NSA_INDEX_ROW_BYTES = NSA_INDEX_HEAD_DIM + NSA_INDEX_HEAD_DIM // 128 * 4  # fp8 keys + fp32 scale
+# Per logical token and layer besides its index keys: the GPU LRU's ``loc_to_slot`` entry (int32).
+LOGICAL_STATE_BYTES_PER_LAYER = 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,9 +48,13 @@ def kv_row_bytes(kv_cache_dim: int, store_dtype: torch.dtype) -> int:
     return kv_cache_dim * torch.empty((), dtype=store_dtype).element_size()
 
 
-def index_bytes_per_logical_token(
-    num_layers: int, index_row_bytes: int = NSA_INDEX_ROW_BYTES
-) -> int:
+def index_row_bytes(index_head_dim: int) -> int:
+    """Bytes of one token's indexer key per layer in ``NSATokenToKVPool``: fp8 keys plus one fp32
+    scale per 128-dim quantisation block (132 for DeepSeek-V3.2's ``index_head_dim`` 128)."""
+    return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+
+
+def index_bytes_per_logical_token(num_layers: int, index_row_bytes: int) -> int:
     return index_row_bytes * num_layers
 
 
@@ -70,7 +78,7 @@ def physical_slots_needed(
     max_running_requests: int,
     sparse_slots_per_request: int,
     staging_tokens: int,
-    page_size: int = 64,
+    page_size: int = PAGE_SIZE,
 ) -> int:
     """Physical rows for a decode batch.
 
@@ -87,15 +95,17 @@ def split_gpu_budget(
     num_layers: int,
     row_bytes: int,
     physical_slots: int,
-    page_size: int = 64,
-    index_row_bytes: int = NSA_INDEX_ROW_BYTES,
+    page_size: int = PAGE_SIZE,
+    *,
+    index_row_bytes: int,
 ) -> OffloadPoolSizing:
     """Split a GPU byte budget into (logical tokens, physical slots).
 
     Physical rows cost ``row_bytes * num_layers`` each; every remaining byte goes to logical tokens
     at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
-    the host). Both counts are page aligned. Upstream ``get_cell_size_per_token`` charges
-    ``(row + 132) * layers`` per token, which overstates an offloaded token's cost by ~6x.
+    the host: index keys plus LRU state). Both counts are page aligned. Upstream
+    ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token, which overstates
+    an offloaded token's cost by ~6x.
     """
     physical_slots = -(-physical_slots // page_size) * page_size
     kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
@@ -210,7 +220,13 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
       until its page is complete and backed up);
     * ``free`` also returns the host slots of the freed logical pages (page granular, like the
       device allocators), so finish / abort / retract through the ordinary free path leak nothing.
+
+    ``kv_offload`` is the server's :class:`~.hooks.KVOffloadHooks`, set by
+    ``runtime.build_allocator``: upstream's hooks reach kv offload through the allocator they
+    already hold.
     """
+
+    kv_offload: Optional[KVOffloadHooks] = None
 
     def __init__(
         self,
@@ -364,6 +380,23 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.full_to_hisparse_device_index_mapping[logical] = physical
         return logical
 
+    def alloc_prompt(self, num_tokens: int, to_host: bool) -> Optional[torch.Tensor]:
+        """PD pre-allocation for a new request's positions ``[0, num_tokens)``: whole logical
+        pages, and behind each either a physical page with the same in-page offsets (the transfer
+        lands in GPU rows) or, ``to_host``, a host page (:meth:`alloc_extend_to_host`). Returns the
+        logical locs (int64 on the device), or ``None`` with nothing taken when a pool is short."""
+        if to_host:
+            return self.alloc_extend_to_host(num_tokens)
+        page = self.page_size
+        # One page more than the prompt's: its first decode token may open a new page.
+        need = -(-int(num_tokens) // page) * page
+        if need + page > min(self.logical_available_size(), self.physical_available_size()):
+            return None
+        logical = self.logical_attn_allocator.alloc(need)
+        physical = self.hisparse_attn_allocator.alloc(need)
+        self.full_to_hisparse_device_index_mapping[logical] = physical
+        return logical[:num_tokens]
+
     def alloc_extend_to_host(self, num_tokens: int) -> Optional[torch.Tensor]:
         """PD direct-to-host pre-allocation for a new request's positions ``[0, num_tokens)``.
 
@@ -388,7 +421,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         if host is None:
             return None
         runs = host.view(-1, page)
-        if not bool(((runs - runs[:, :1]) == self._page_offsets.cpu()).all()) or bool(
+        if not bool(((runs - runs[:, :1]) == torch.arange(page)).all()) or bool(
             (runs[:, 0] % page != 0).any()
         ):
             self.host_pool.free(host)
@@ -427,13 +460,25 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
                 "released before Req.offload_kv_cache?)"
             )
         on_gpu_cpu, host_cpu = on_gpu.cpu(), host.cpu()
+        gpu_rows = physical[on_gpu]
+        pin = str(self.device).startswith("cuda")
         out = []
         for i in range(kv.layer_num):
             layer_id = kv.start_layer + i
-            rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8)
-            rows[on_gpu_cpu] = kv.device_row_view(layer_id)[physical[on_gpu]].cpu()
+            # Staged through pinned memory: the device -> host copies are DMA, not bounced.
+            rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8, pin_memory=pin)
+            from_gpu = torch.empty(
+                (gpu_rows.numel(), kv.row_bytes), dtype=torch.uint8, pin_memory=pin
+            )
+            from_gpu.copy_(kv.device_row_view(layer_id)[gpu_rows], non_blocking=pin)
+            index = index_rows(kv.index_k_with_scale_buffer[i], locs, kv)
+            index_cpu = torch.empty(index.shape, dtype=index.dtype, pin_memory=pin)
+            index_cpu.copy_(index, non_blocking=pin)
+            if pin:
+                torch.cuda.current_stream(self.device).synchronize()
+            rows[on_gpu_cpu] = from_gpu
             rows[~on_gpu_cpu] = self.host_pool.host_row_view(layer_id)[host_cpu[~on_gpu_cpu]]
-            out.append((rows, index_rows(kv.index_k_with_scale_buffer[i], locs, kv).cpu()))
+            out.append((rows, index_cpu))
         return out
 
     def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
@@ -460,8 +505,13 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)
 
     def release_physical(self, logical_locs: torch.Tensor) -> None:
-        """Free the physical rows behind ``logical_locs`` (whole pages) and clear their mapping."""
-        self.free_hisparse(logical_locs)
+        """Free the physical rows behind ``logical_locs`` (whole, page-aligned logical pages, as
+        backups are) and clear their mapping. No device sync: each logical page's physical page is
+        read from its first row's mapping, so no ``unique`` or mask is needed."""
+        first = logical_locs[:: self.page_size]
+        pages = self.full_to_hisparse_device_index_mapping[first] // self.page_size
+        self.full_to_hisparse_device_index_mapping[logical_locs] = 0
+        free_whole_pages(self.hisparse_attn_allocator, pages)
 
     def _whole_pages(self, locs: torch.Tensor) -> torch.Tensor:
         pages = torch.unique(locs // self.page_size)

@@ -1,14 +1,11 @@
-"""What the upstream hooks call: pool construction, the per-step call and request release.
+"""kv offload's side of the upstream hooks: building the pools, and the per-server hook object.
 
-The model side needs no hook of its own: the coordinator is installed as the model runner's
-``hisparse_coordinator``, so HiSparse's existing plumbing (``forward_batch.hisparse_coordinator``,
-``num_real_reqs`` on eager forwards, CUDA-graph capture and replay, ``swap_in_selected_pages`` in
-``NativeSparseAttnBackend.forward_decode``, logical->physical translation in ``forward_extend``) drives
-kv offload unchanged. The scheduler side has two hooks, in ``ScheduleBatch.prepare_for_decode`` and in
-``release_kv_cache`` (the one function that finish, abort, retract and failed PD transfers all go
-through).
-
-One coordinator per process (SGLang runs one scheduler and one model runner per TP rank process).
+``ModelRunnerKVCacheMixin._init_pools`` calls :func:`build_device_pool` in place of the NSA pool and
+:func:`build_allocator` where upstream builds the token allocator. The second builds everything
+else (host pool, controller, GPU LRU, coordinator), installs :class:`KVOffloadRuntime` as the
+allocator's ``kv_offload`` (what the scheduler and the PD decode queue call, see :mod:`hooks`) and
+the attention adapter as the model runner's sparse-attention coordinator (what
+``NativeSparseAttnBackend`` calls). Each scheduler process (one per TP rank) has its own.
 """
 
 from __future__ import annotations
@@ -16,47 +13,39 @@ from __future__ import annotations
 import dataclasses
 import logging
 from http import HTTPStatus
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from sglang.srt.configs.model_config import get_nsa_index_topk
+from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
+from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
+from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+    LOGICAL_STATE_BYTES_PER_LAYER,
+    KVOffloadNSATokenToKVPool,
+    KVOffloadTokenToKVPoolAllocator,
+    index_row_bytes,
+    kv_row_bytes,
+    physical_slots_needed,
+    split_gpu_budget,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
+from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 
 logger = logging.getLogger(__name__)
 
-# Per logical token and layer besides the 132 B of index keys: the LRU's ``loc_to_slot`` (int32).
-LOGICAL_STATE_BYTES_PER_LAYER = 4
 
-_coordinator = None
-
-
-def get_coordinator():
-    """The process's coordinator, or None when kv offload is off or not built yet."""
-    return _coordinator
-
-
-def set_coordinator(coordinator) -> None:
-    global _coordinator
-    _coordinator = coordinator
-
-
-def build_device_pool(runner, nsa_pool_kwargs: dict):
+def build_device_pool(runner, nsa_pool_kwargs: dict) -> KVOffloadNSATokenToKVPool:
     """``ModelRunnerKVCacheMixin._init_pools`` hook: the split NSA device pool.
 
     Called in place of the NSA pool. The profiler granted ``max_total_num_tokens`` tokens at the
     full per-token cost (KV + index); that byte budget is re-split into physical KV rows (sparse
-    slots, decode tails, prompt staging) and logical tokens (index keys only). The allocator, host
-    pool, controller and coordinator are built by :func:`build_allocator`, where upstream builds
-    the allocator.
+    slots, decode tails, prompt staging) and logical tokens (index keys only).
     """
-    from sglang.srt.configs.model_config import get_nsa_index_topk
-    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-        NSA_INDEX_ROW_BYTES,
-        KVOffloadNSATokenToKVPool,
-        kv_row_bytes,
-        physical_slots_needed,
-        split_gpu_budget,
-    )
-
     server_args = runner.server_args
     config = KVOffloadConfig.from_json(server_args.kv_offload_config)
     config.check(index_topk=get_nsa_index_topk(runner.model_config.hf_config))
@@ -64,15 +53,17 @@ def build_device_pool(runner, nsa_pool_kwargs: dict):
     dtype = nsa_pool_kwargs["dtype"]
     store_dtype = torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
     row = kv_row_bytes(nsa_pool_kwargs["kv_cache_dim"], store_dtype)
-    budget = runner.max_total_num_tokens * (row + NSA_INDEX_ROW_BYTES) * layers
+    index_row = index_row_bytes(nsa_pool_kwargs["index_head_dim"])
+    page = nsa_pool_kwargs["page_size"]
+    budget = runner.max_total_num_tokens * (row + index_row) * layers
     max_running = runner.req_to_token_pool.size
     staging = max(runner.model_config.context_len, server_args.chunked_prefill_size or 0)
     physical = config.sparse_pool_slots or physical_slots_needed(
-        max_running, config.sparse_slots_per_req, staging
+        max_running, config.sparse_slots_per_req, staging, page
     )
     if config.pd_direct_to_host:
         # admit_from_host must always find every running request's slots and tail pages.
-        floor = physical_slots_needed(max_running, config.sparse_slots_per_req, 0)
+        floor = physical_slots_needed(max_running, config.sparse_slots_per_req, 0, page)
         if physical < floor:
             raise KVOffloadConfigError(
                 f"--kv-offload-config: sparse_pool_slots={physical} is too small for "
@@ -82,8 +73,8 @@ def build_device_pool(runner, nsa_pool_kwargs: dict):
             )
     # Otherwise any prompt the server accepts must be able to stage in GPU rows beside one
     # request's promise (sparse slots + 2 tail pages), or it would wait for ever.
-    elif physical < physical_slots_needed(1, config.sparse_slots_per_req, staging):
-        floor = physical_slots_needed(1, config.sparse_slots_per_req, staging)
+    elif physical < physical_slots_needed(1, config.sparse_slots_per_req, staging, page):
+        floor = physical_slots_needed(1, config.sparse_slots_per_req, staging, page)
         raise KVOffloadConfigError(
             f"--kv-offload-config: sparse_pool_slots={physical} cannot stage a prompt of the "
             f"context length ({staging} tokens) beside one request's sparse slots "
@@ -95,7 +86,8 @@ def build_device_pool(runner, nsa_pool_kwargs: dict):
         layers,
         row,
         physical,
-        index_row_bytes=NSA_INDEX_ROW_BYTES + LOGICAL_STATE_BYTES_PER_LAYER,
+        page,
+        index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
     )
     kwargs = dict(nsa_pool_kwargs)
     del kwargs["size"]
@@ -107,25 +99,16 @@ def build_device_pool(runner, nsa_pool_kwargs: dict):
     return pool
 
 
-def build_allocator(runner, need_sort: bool):
+def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
     """``ModelRunnerKVCacheMixin._init_pools`` hook, where upstream builds the token allocator.
 
     Builds the split allocator over :func:`build_device_pool`'s pool, the host pool, the controller,
-    the GPU LRU and the coordinator (installed as ``runner.hisparse_coordinator``), and sets
-    ``max_total_num_tokens`` to what the allocator reports free when idle.
+    the GPU LRU and the coordinator; installs :class:`KVOffloadRuntime` as ``allocator.kv_offload``
+    and the attention adapter as ``runner.hisparse_coordinator``, and sets ``max_total_num_tokens``
+    to what the allocator reports free when idle.
     """
-    from sglang.srt.configs.model_config import get_nsa_index_topk
-    from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
-    from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
-    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-        KVOffloadTokenToKVPoolAllocator,
-    )
-    from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
-    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
-
     server_args = runner.server_args
-    pool = runner.token_to_kv_pool
+    pool: KVOffloadNSATokenToKVPool = runner.token_to_kv_pool
     config: KVOffloadConfig = pool.offload_config
     sizing = pool.offload_sizing
     allocator = KVOffloadTokenToKVPoolAllocator(
@@ -180,12 +163,12 @@ def build_allocator(runner, need_sort: bool):
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
     )
+    allocator.kv_offload = KVOffloadRuntime(coordinator)
+    runner.hisparse_coordinator = NSAOffloadAdapter(coordinator)
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
     # must agree when nothing is allocated.
     runner.max_total_num_tokens = allocator.available_size()
-    runner.hisparse_coordinator = coordinator
-    set_coordinator(coordinator)
     logger.info(
         "kv offload: %d logical tokens (index %.2f GB), %d physical KV rows (%.2f GB, %d B x %d "
         "layers), host pool %d tokens (%.2f GB), %d sparse slots per request",
@@ -202,196 +185,120 @@ def build_allocator(runner, need_sort: bool):
     return allocator
 
 
-def prepare_decode_step(batch) -> None:
-    """``ScheduleBatch.prepare_for_decode`` hook, after this step's locs are allocated.
+class KVOffloadRuntime(KVOffloadHooks):
+    """The hook object of one server process: what the scheduler and the PD decode queue call.
 
-    Requests seen for the first time are admitted here (their prompt KV sits in GPU tail rows, so
-    they decode at once); then finished backups complete, new complete pages are backed up and
-    sparse slots grow with the context.
+    Holds no state of its own beyond the PD bookkeeping below; everything else is the
+    coordinator's (request state, promises, counters) and the allocator's (free lists).
     """
-    coordinator = get_coordinator()
-    if coordinator is None:
-        return
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    req_pool_indices = [req.req_pool_idx for req in batch.reqs]
-    seq_lens = batch.seq_lens_cpu.tolist()
-    mapping = coordinator.allocator.full_to_hisparse_device_index_mapping
-    for r, n in zip(req_pool_indices, seq_lens):
-        if r not in coordinator.requests:
-            # A resumed (retracted) request is restored into GPU rows in both PD modes.
-            if coordinator.pd_direct_to_host and int(mapping[coordinator.req_to_token[r, 0]]) <= 0:
+    def __init__(self, coordinator: KVOffloadCoordinator) -> None:
+        self.coordinator = coordinator
+        self.allocator: KVOffloadTokenToKVPoolAllocator = coordinator.allocator
+        # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
+        # when their transfer succeeds (admit_transferred), never at a decode step.
+        self._host_prealloc: Set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler
+    def prepare_decode_step(self, batch) -> None:
+        coordinator = self.coordinator
+        req_pool_indices = [req.req_pool_idx for req in batch.reqs]
+        seq_lens = batch.seq_lens_cpu.tolist()
+        for r, n in zip(req_pool_indices, seq_lens):
+            if r in coordinator.requests:
+                continue
+            if r in self._host_prealloc:
                 raise RuntimeError(
                     f"kv offload: req_pool_idx {r} reached a decode step without admission; with "
                     "pd_direct_to_host every request is admitted when its transfer completes "
-                    "(runtime.admit_transferred in the PD decode queue)"
+                    "(KVOffloadHooks.admit_transferred in the PD decode queue)"
                 )
-            # The token about to be decoded has a loc but no KV yet.
+            # Its prompt (or a resumed request's restored context) is in GPU rows; the token
+            # about to be decoded has a loc but no KV yet.
             coordinator.admit(r, n, written_len=n - 1)
-    failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens))
-    for req in batch.reqs:
-        reason = failed.get(req.req_pool_idx)
-        if reason is not None and not req.finished():
-            # This step's output of the request is discarded and it ends with the error.
-            req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
+        failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens))
+        for req in batch.reqs:
+            reason = failed.get(req.req_pool_idx)
+            if reason is not None and not req.finished():
+                # This step's output of the request is discarded and it ends with the error.
+                req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
 
+    def can_stage_prefill(self, req, scheduled: Sequence) -> bool:
+        # The token budget (available_size) counts logical tokens and host slots; this gate checks
+        # the GPU KV rows: the rest of the prompt stages in GPU rows until its pages are backed
+        # up, and once decoding the request may hold its sparse slots and two tail pages.
+        coordinator = self.coordinator
+        page = coordinator.page_size
 
-def can_stage_prefill(req, scheduled: Sequence) -> bool:
-    """``PrefillAdder.add_one_req`` hook (co-located servers), before ``req`` joins a prefill batch.
+        def rows(r) -> int:
+            staging = -(-(len(r.fill_ids) - len(r.prefix_indices)) // page) * page
+            promised = r.req_pool_idx is not None and r.req_pool_idx in coordinator.reservations
+            return staging + (0 if promised else coordinator.rows_promised)
 
-    The scheduler's token budget (``available_size``) counts logical tokens and host slots; this
-    gate checks the GPU KV rows: the rest of ``req``'s prompt stages in GPU rows until its pages
-    are backed up, and once decoding it may hold its sparse slots and two tail pages. Both must
-    fit beside the rows promised to running requests and to the requests already scheduled in
-    this batch (``scheduled``). False makes the request wait, as a short token budget does.
-    """
-    coordinator = _require_coordinator()
-    page = coordinator.page_size
+        need = rows(req) + sum(rows(r) for r in scheduled)
+        if coordinator.unreserved_physical_rows() >= need:
+            return True
+        coordinator.stats["prefill_waits"] += 1
+        return False
 
-    def rows(r) -> int:
-        staging = -(-(len(r.fill_ids) - len(r.prefix_indices)) // page) * page
-        promised = r.req_pool_idx is not None and r.req_pool_idx in coordinator.reservations
-        return staging + (0 if promised else coordinator.rows_promised)
+    def release_request(self, req_pool_idx: Optional[int]) -> None:
+        # The logical locs are freed next by upstream's path through the kv offload allocator,
+        # which also returns their physical rows and host slots.
+        if req_pool_idx is None:
+            return
+        self._host_prealloc.discard(req_pool_idx)
+        self.coordinator.release(req_pool_idx)
 
-    need = rows(req) + sum(rows(r) for r in scheduled)
-    if coordinator.unreserved_physical_rows() >= need:
-        return True
-    coordinator.stats["prefill_waits"] += 1
-    return False
+    def on_scheduler_iteration(self) -> None:
+        self.coordinator.poll_backups()
 
+    def internal_state(self) -> Dict[str, object]:
+        return self.coordinator.offload_state()
 
-def internal_state() -> Dict[str, object]:
-    """``Scheduler.get_internal_state`` hook: the ``kv_offload`` entry of ``/get_server_info``."""
-    return _require_coordinator().offload_state()
+    # ------------------------------------------------------------------ PD decode queue
+    # The prompt KV destination is either the GPU physical pages (the default: backed up to the
+    # host after admission) or, with ``pd_direct_to_host``, host pool pages written by the prefill
+    # side directly. The NSA index state always goes to the logical pages.
+    def pd_kv_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
+        # Host pool layers are laid out one item a page, as on the GPU, so the prefill side's page
+        # arithmetic is unchanged.
+        if self.coordinator.pd_direct_to_host:
+            return self.allocator.host_pool.get_contiguous_buf_infos()
+        return self.allocator.get_kvcache().get_contiguous_buf_infos()
 
+    def _stages_on_gpu(self, req) -> bool:
+        # Always, except a fresh direct-to-host transfer: a resumed retracted request (it has
+        # output tokens) is restored by load_kv_cache into GPU rows in both modes.
+        return not self.coordinator.pd_direct_to_host or len(req.output_ids) > 0
 
-def release_request(req_pool_idx: Optional[int]) -> None:
-    """``release_kv_cache`` hook, before the request's KV is freed (finish, abort, retract, failure).
+    def pd_can_admit(self, req) -> bool:
+        fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        page = self.coordinator.page_size
+        staging = -(-fill_len // page) * page if self._stages_on_gpu(req) else 0
+        return self.coordinator.can_reserve(staging)
 
-    Frees the sparse slots and LRU entries and cancels in-flight backups; the logical locs are then
-    freed by upstream's path through the kv offload allocator, which also returns physical rows and
-    host slots.
-    """
-    coordinator = get_coordinator()
-    if coordinator is not None and req_pool_idx is not None:
-        coordinator.release(req_pool_idx)
+    def pd_prealloc(self, req, fill_len: int) -> Optional[torch.Tensor]:
+        to_host = not self._stages_on_gpu(req)
+        locs = self.allocator.alloc_prompt(fill_len, to_host=to_host)
+        if locs is not None:
+            self.coordinator.reserve(req.req_pool_idx)
+            if to_host:
+                self._host_prealloc.add(req.req_pool_idx)
+        return locs
 
+    def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
+        # The prefill side writes KV pages by page id: physical pages (alloc_prompt gives each
+        # logical page one with the same in-page offsets) or whole aligned host pages.
+        if self.coordinator.pd_direct_to_host:
+            table = self.allocator.loc_to_host
+        else:
+            table = self.allocator.full_to_hisparse_device_index_mapping
+        return table[logical_locs.to(table.device, torch.int64)].to(logical_locs.dtype)
 
-def _require_coordinator():
-    coordinator = get_coordinator()
-    if coordinator is None:
-        raise RuntimeError(
-            "kv offload is enabled but its pools were not built in this process; "
-            "check that the model is an NSA model and --attention-backend is nsa"
-        )
-    return coordinator
-
-
-# -------------------------------------------------------------------------------------------------
-# PD decode (disaggregation/decode.py). The prompt KV destination is either the GPU physical pages
-# (the default: backed up to the host after admission) or, with ``pd_direct_to_host``, host pool
-# pages written by the prefill side directly. The NSA index state always goes to the logical pages.
-# -------------------------------------------------------------------------------------------------
-
-
-def pd_kv_buf_infos(device_pool) -> Tuple[List[int], List[int], List[int]]:
-    """``DecodePreallocQueue._init_kv_manager`` hook: the KV buffers registered for transfers.
-
-    The host pool's per-layer buffers with ``pd_direct_to_host`` (one item a page, as on the
-    GPU, so the prefill side's page arithmetic is unchanged), else the device pool's.
-    """
-    coordinator = _require_coordinator()
-    if coordinator.pd_direct_to_host:
-        return coordinator.allocator.host_pool.get_contiguous_buf_infos()
-    return device_pool.get_contiguous_buf_infos()
-
-
-def _stages_on_gpu(coordinator, req) -> bool:
-    """Whether ``req``'s KV arrives in GPU rows: always, except a fresh direct-to-host transfer.
-
-    A retracted request being resumed (it has output tokens) is restored by ``load_kv_cache`` into
-    GPU rows and admitted like a staged prompt, in both modes.
-    """
-    return not coordinator.pd_direct_to_host or len(req.output_ids) > 0
-
-
-def pd_can_admit(req) -> bool:
-    """``pop_preallocated`` / ``resume_retracted_reqs`` hook, before ``_pre_alloc``.
-
-    True when the physical pool can take the request's prompt staging (none for a direct-to-host
-    transfer) and promise it its sparse slots and tail pages, without rows promised to requests
-    already pre-allocated or running. False makes the queue wait (FIFO), as a short token budget
-    does.
-    """
-    coordinator = _require_coordinator()
-    fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-    page = coordinator.page_size
-    staging = -(-fill_len // page) * page if _stages_on_gpu(coordinator, req) else 0
-    return coordinator.can_reserve(staging)
-
-
-def pd_prealloc(req, fill_len: int) -> Optional[torch.Tensor]:
-    """``DecodePreallocQueue._pre_alloc`` hook: logical locs for ``req``'s ``fill_len`` tokens.
-
-    Default (and every resumed request): upstream's ``alloc_extend`` (a physical row behind every
-    logical loc). A fresh transfer with ``pd_direct_to_host``: logical locs and host pages only
-    (``alloc_extend_to_host``). The request is promised its physical rows (``reserve``) until it
-    is released. Returns ``None`` when the pools are short, as ``alloc_extend`` does.
-    """
-    coordinator = _require_coordinator()
-    allocator = coordinator.allocator
-    if not _stages_on_gpu(coordinator, req):
-        locs = allocator.alloc_extend_to_host(fill_len)
-    else:
-        locs = _alloc_extend(allocator, fill_len)
-    if locs is not None:
-        coordinator.reserve(req.req_pool_idx)
-    return locs
-
-
-def _alloc_extend(allocator, fill_len: int) -> Optional[torch.Tensor]:
-    device = allocator.device
-    return allocator.alloc_extend(
-        prefix_lens=torch.tensor([0], dtype=torch.int64, device=device),
-        prefix_lens_cpu=torch.tensor([0], dtype=torch.int64),
-        seq_lens=torch.tensor([fill_len], dtype=torch.int64, device=device),
-        seq_lens_cpu=torch.tensor([fill_len], dtype=torch.int64),
-        last_loc=torch.tensor([-1], dtype=torch.int64, device=device),
-        extend_num_tokens=fill_len,
-    )
-
-
-def pd_kv_destination_locs(logical_locs: torch.Tensor) -> torch.Tensor:
-    """``pop_preallocated`` hook: where the prompt's KV rows go, for the transfer engine.
-
-    The prefill side writes KV pages by page id. Default: the physical rows (``alloc_extend``
-    gives each logical page a physical page with the same in-page offsets). With
-    ``pd_direct_to_host``: the host slots (whole aligned host pages). The caller keeps the logical
-    page ids for the NSA index state.
-    """
-    coordinator = _require_coordinator()
-    if coordinator.pd_direct_to_host:
-        table = coordinator.allocator.loc_to_host
-    else:
-        table = coordinator.allocator.full_to_hisparse_device_index_mapping
-    return table[logical_locs.to(table.device, torch.int64)].to(logical_locs.dtype)
-
-
-def physical_kv_locs(logical_locs: torch.Tensor) -> torch.Tensor:
-    """The physical rows behind ``logical_locs`` (the default PD destination)."""
-    mapping = _require_coordinator().allocator.full_to_hisparse_device_index_mapping
-    return mapping[logical_locs.to(mapping.device, torch.int64)].to(logical_locs.dtype)
-
-
-def admit_transferred(reqs) -> None:
-    """``process_decode_queue`` hook, for requests whose prompt transfer has just succeeded.
-
-    With ``pd_direct_to_host`` each is admitted from the host here, before its first decode step
-    allocates a token in its last page (which must then already be a GPU page). Default mode:
-    nothing (requests are admitted at their first decode step, from GPU rows).
-    """
-    coordinator = get_coordinator()
-    if coordinator is None or not coordinator.pd_direct_to_host:
-        return
-    for req in reqs:
-        coordinator.admit_from_host(req.req_pool_idx, req.kv_allocated_len)
+    def admit_transferred(self, reqs: Sequence) -> None:
+        # Direct-to-host requests are admitted from the host before their first decode step
+        # allocates a token in their last page; the others at that step, from GPU rows.
+        for req in reqs:
+            if req.req_pool_idx in self._host_prealloc:
+                self._host_prealloc.discard(req.req_pool_idx)
+                self.coordinator.admit_from_host(req.req_pool_idx, req.kv_allocated_len)

@@ -26,10 +26,10 @@ import logging
 from typing import List, NamedTuple, Optional, Protocol
 
 import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
-PAGE_SIZE = 64
 # The LRU permutation is stored as int16.
 MAX_SLOTS_PER_REQ = 32767
 
@@ -38,12 +38,28 @@ class SlotAllocator(Protocol):
     """What we need from the physical page allocator (``PagedTokenToKVPoolAllocator``)."""
 
     page_size: int
+    need_sort: bool
+    is_not_in_free_group: bool
+    free_group: list
+    free_pages: torch.Tensor
+    release_pages: torch.Tensor
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]: ...
 
-    def free(self, free_index: torch.Tensor) -> None: ...
-
     def available_size(self) -> int: ...
+
+
+def free_whole_pages(allocator: SlotAllocator, pages: torch.Tensor) -> None:
+    """Return distinct page ids to a paged allocator: upstream ``free`` without its
+    ``torch.unique`` over the rows (a device sync), for callers whose pages are distinct by
+    construction."""
+    if not allocator.is_not_in_free_group:
+        allocator.free_group.append(pages * allocator.page_size)
+        return
+    if allocator.need_sort:
+        allocator.release_pages = torch.cat((pages, allocator.release_pages))
+    else:
+        allocator.free_pages = torch.cat((pages, allocator.free_pages))
 
 
 class LayerState(NamedTuple):
@@ -221,13 +237,14 @@ class SparseCacheState:
         if n == 0:
             return 0
         locs = self.slot_loc[:, r, :n]
-        held = locs >= 0
         layer_ids = torch.arange(self.num_layers, device=self.device)[:, None].expand_as(locs)
-        self.loc_to_slot[layer_ids[held], locs[held].long()] = -1
+        # Empty slots hold -1, which indexes the padding entry of loc_to_slot (always -1): no
+        # mask, so no device sync.
+        self.loc_to_slot[layer_ids, locs.long()] = -1
         self.slot_loc[:, r, :n] = -1
         self.lru[:, r, :n] = 0
         rows = self.out_cache_loc_sparse[r, :n].to(torch.int64)
-        self.allocator.free(rows.clone())
+        free_whole_pages(self.allocator, rows[::PAGE_SIZE] // PAGE_SIZE)
         self.out_cache_loc_sparse[r, :n] = -1
         self.num_slots[r] = 0
         self.num_slots_cpu[r] = 0

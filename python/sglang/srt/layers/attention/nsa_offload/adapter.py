@@ -1,0 +1,86 @@
+"""The attention side of kv offload: one NSA decode layer's top-k -> sparse-buffer rows.
+
+``NativeSparseAttnBackend.forward_decode`` asks the forward batch's sparse-attention coordinator for
+the KV rows of each layer's selected tokens (``swap_in_selected_pages``, HiSparse's contract) and
+switches the decode indexer to unfused top-k (token positions) when one is installed; the model
+runner and CUDA-graph replay set ``num_real_reqs`` before every forward. kv offload installs this
+adapter there (``runtime.build_allocator``), so the backend needs no kv offload hook of its own.
+
+Per layer, on the forward stream, three launches and no host sync (CUDA-graph safe: fixed shapes,
+device-side counts, no allocation):
+
+1. positions -> logical locs (``topk_positions_to_locs``, through ``req_to_token``);
+2. the plan (``plan_layer``): hits in the request's sparse slots, rows still in the GPU tail, and
+   for each miss an LRU victim slot and the host slot to load;
+3. the host -> device load of the misses into those slots (``controller.load_one_layer``), ordered
+   before this layer's attention by stream order.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer, topk_positions_to_locs
+
+
+class NSAOffloadAdapter:
+    """What the NSA backend, the model runner and the CUDA-graph runner call on the forward side.
+
+    Args:
+        coordinator: the server's :class:`KVOffloadCoordinator` (request state, LRU, plan
+            workspace and controller); the adapter only reads and plans, on the forward stream.
+    """
+
+    def __init__(self, coordinator: KVOffloadCoordinator) -> None:
+        self.coordinator = coordinator
+        device = coordinator.device
+        # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
+        # every eager forward and graph replay.
+        self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=device)
+        self.topk_locs = torch.full(
+            (coordinator.max_bs, coordinator.topk), -1, dtype=torch.int32, device=device
+        )
+
+    def swap_in_selected_pages(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        topk_indices: torch.Tensor,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """Resolve one layer's top-k to rows of ``kv_buffer[layer]``, loading the misses first.
+
+        ``topk_indices`` are token positions (-1 padded). Returns ``(bs, topk)`` int32 rows (-1
+        kept) in a workspace tensor; the indexer's tensor is never written (the next layer may
+        reuse it).
+        """
+        del seq_lens  # tail rows are found through the logical->physical mapping instead
+        topk = topk_positions_to_locs(
+            topk_indices,
+            req_pool_indices,
+            self.coordinator.req_to_token,
+            self.num_real_reqs,
+            self.topk_locs,
+        )
+        coord = self.coordinator
+        allocator = coord.allocator
+        grouped = coord.grouped_loads
+        plan = plan_layer(
+            topk,
+            req_pool_indices,
+            self.num_real_reqs,
+            allocator.loc_to_host,
+            allocator.full_to_hisparse_device_index_mapping,
+            coord.sparse_cache.layer(layer_id),
+            coord.workspace,
+            compact=not grouped,
+        )
+        if grouped:
+            coord.controller.load_one_layer(
+                layer_id, plan.miss_host, plan.miss_dst, group_counts=plan.num_misses
+            )
+        else:
+            coord.controller.load_one_layer(
+                layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
+            )
+        return plan.out_indices

@@ -1,0 +1,84 @@
+"""The interface between upstream SGLang and kv offload.
+
+Every call from an upstream file into kv offload goes through one of these:
+
+* :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.build_device_pool` and
+  :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.build_allocator`, the two factories
+  ``ModelRunnerKVCacheMixin._init_pools`` calls in place of the NSA pool and its allocator;
+* :class:`KVOffloadHooks`, the per-server object the scheduler and the PD decode queue call. It is
+  reached as ``token_to_kv_pool_allocator.kv_offload``: every upstream call site already holds the
+  allocator, so no process-global state and no new plumbing is needed;
+* the attention side: ``NativeSparseAttnBackend`` reaches the sparse buffer through the forward
+  batch's sparse-attention coordinator slot, which the model runner fills and CUDA-graph replay
+  keeps current. kv offload installs
+  :class:`~sglang.srt.layers.attention.nsa_offload.adapter.NSAOffloadAdapter` there;
+  :data:`ATTENTION_SIDE` lists what upstream calls on it.
+
+``test_hooks_contract.py`` checks the patch series against this file: every ``kv_offload.<name>(``
+call in a patch is a method below with the same arguments, and every attribute upstream's model
+side uses on the coordinator slot exists on the adapter.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+
+# What NativeSparseAttnBackend, ModelRunner and CudaGraphRunner use on
+# ``forward_batch.hisparse_coordinator`` / ``model_runner.hisparse_coordinator``.
+ATTENTION_SIDE = ("num_real_reqs", "swap_in_selected_pages")
+
+
+class KVOffloadHooks(abc.ABC):
+    """What the scheduler (co-located and PD decode) calls, one object per server process."""
+
+    # ------------------------------------------------------------------ scheduler
+    @abc.abstractmethod
+    def prepare_decode_step(self, batch: "ScheduleBatch") -> None:
+        """``ScheduleBatch.prepare_for_decode``, after this step's locs are allocated: admit new
+        requests, complete and start backups, grow sparse slots; a request that cannot be served
+        gets ``to_finish`` set to an abort naming the fix."""
+
+    @abc.abstractmethod
+    def can_stage_prefill(self, req: "Req", scheduled: Sequence["Req"]) -> bool:
+        """``PrefillAdder.add_one_req``: whether ``req``'s prompt staging rows and promised sparse
+        slots fit in GPU KV rows beside ``scheduled`` and the running requests."""
+
+    @abc.abstractmethod
+    def release_request(self, req_pool_idx: Optional[int]) -> None:
+        """``release_kv_cache``, before the request's KV is freed (finish, abort, retract,
+        failed transfer)."""
+
+    @abc.abstractmethod
+    def on_scheduler_iteration(self) -> None:
+        """Once per scheduler loop iteration: complete finished backups (never blocks)."""
+
+    @abc.abstractmethod
+    def internal_state(self) -> Dict[str, object]:
+        """``Scheduler.get_internal_state``: the ``kv_offload`` entry of ``GET /server_info``."""
+
+    # ------------------------------------------------------------------ PD decode queue
+    @abc.abstractmethod
+    def pd_kv_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
+        """``DecodePreallocQueue._init_kv_manager``: the KV buffers registered for transfers."""
+
+    @abc.abstractmethod
+    def pd_can_admit(self, req: "Req") -> bool:
+        """``pop_preallocated`` / ``resume_retracted_reqs``, before ``_pre_alloc``."""
+
+    @abc.abstractmethod
+    def pd_prealloc(self, req: "Req", fill_len: int) -> Optional[torch.Tensor]:
+        """``DecodePreallocQueue._pre_alloc``: logical locs for ``fill_len`` tokens, or None."""
+
+    @abc.abstractmethod
+    def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
+        """``pop_preallocated``: where the prompt's KV rows go (physical rows or host slots)."""
+
+    @abc.abstractmethod
+    def admit_transferred(self, reqs: Sequence["Req"]) -> None:
+        """``process_decode_queue``: requests whose prompt transfer has just succeeded."""
