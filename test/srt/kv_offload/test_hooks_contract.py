@@ -69,7 +69,9 @@ def test_every_hook_call_is_an_interface_method_with_its_arity():
     called = set()
     for patch in PATCHES:
         for method, n_args in calls_on("kv_offload", added_code(patch)):
-            assert method in methods, f"{patch.name} calls kv_offload.{method}, not in KVOffloadHooks"
+            assert (
+                method in methods
+            ), f"{patch.name} calls kv_offload.{method}, not in KVOffloadHooks"
             expected = len(methods[method].parameters) - 1  # self
             assert n_args == expected, (
                 f"{patch.name}: kv_offload.{method} called with {n_args} argument(s), "

@@ -228,7 +228,7 @@ class KVOffloadCoordinator:
             host_page = host[full] + torch.arange(page, dtype=torch.int64)
             self.allocator.full_to_hisparse_device_index_mapping[tail_locs] = tail_rows
             self.controller.load_rows(host_page[: n - full], tail_rows)
-            self.allocator.loc_to_host[page_locs] = -1
+            self.allocator.loc_to_host.index_fill_(0, page_locs, -1)
             self.controller.free_host_when_read(host_page)
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True

@@ -510,7 +510,8 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         read from its first row's mapping, so no ``unique`` or mask is needed."""
         first = logical_locs[:: self.page_size]
         pages = self.full_to_hisparse_device_index_mapping[first] // self.page_size
-        self.full_to_hisparse_device_index_mapping[logical_locs] = 0
+        # index_fill_, not ``[idx] = 0``: a Python scalar value is copied to the device (a sync).
+        self.full_to_hisparse_device_index_mapping.index_fill_(0, logical_locs, 0)
         free_whole_pages(self.hisparse_attn_allocator, pages)
 
     def _whole_pages(self, locs: torch.Tensor) -> torch.Tensor:
@@ -525,7 +526,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         locs = self._whole_pages(logical_locs.to(self.loc_to_host.device))
         host = self.loc_to_host[locs]
         host = host[host >= 0]
-        self.loc_to_host[locs] = -1
+        self.loc_to_host.index_fill_(0, locs, -1)
         if host.numel() == 0:
             return 0
         if self.host_pool is None:

@@ -250,7 +250,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         self.coordinator.release(req_pool_idx)
 
     def on_scheduler_iteration(self) -> None:
-        self.coordinator.poll_backups()
+        self.coordinator.poll()
 
     def internal_state(self) -> Dict[str, object]:
         return self.coordinator.offload_state()

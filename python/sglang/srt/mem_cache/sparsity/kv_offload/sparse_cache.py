@@ -170,7 +170,7 @@ class SparseCacheState:
         order = torch.arange(n, dtype=torch.int16, device=self.device)
         self.lru[:, r, :n] = order
         self.slot_loc[:, r, :n] = -1
-        self.num_slots[r] = n
+        self.num_slots[r : r + 1] = n  # a slice fills on the device; [r] = n would copy (sync)
         self.num_slots_cpu[r] = n
         return True
 
@@ -197,7 +197,7 @@ class SparseCacheState:
         self.lru[:, r, : target - n] = fresh
         self.lru[:, r, target - n : target] = old
         self.slot_loc[:, r, n:target] = -1
-        self.num_slots[r] = target
+        self.num_slots[r : r + 1] = target
         self.num_slots_cpu[r] = target
         return True
 
@@ -236,17 +236,19 @@ class SparseCacheState:
         n = self.num_slots_cpu[r]
         if n == 0:
             return 0
-        locs = self.slot_loc[:, r, :n]
-        layer_ids = torch.arange(self.num_layers, device=self.device)[:, None].expand_as(locs)
-        # Empty slots hold -1, which indexes the padding entry of loc_to_slot (always -1): no
-        # mask, so no device sync.
-        self.loc_to_slot[layer_ids, locs.long()] = -1
+        locs = self.slot_loc[:, r, :n].long()
+        # Empty slots hold -1; they clear the padding entry (the last, always -1) instead of being
+        # masked out, and index_fill_ takes no host value: no device sync.
+        width = self.num_logical_locs
+        locs = torch.where(locs < 0, width - 1, locs)
+        layer_base = torch.arange(self.num_layers, device=self.device)[:, None] * width
+        self.loc_to_slot.view(-1).index_fill_(0, (layer_base + locs).reshape(-1), -1)
         self.slot_loc[:, r, :n] = -1
         self.lru[:, r, :n] = 0
         rows = self.out_cache_loc_sparse[r, :n].to(torch.int64)
         free_whole_pages(self.allocator, rows[::PAGE_SIZE] // PAGE_SIZE)
         self.out_cache_loc_sparse[r, :n] = -1
-        self.num_slots[r] = 0
+        self.num_slots[r : r + 1] = 0
         self.num_slots_cpu[r] = 0
         return n
 
