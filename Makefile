@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: demo test build check fmt serve-tiny
+.PHONY: demo test build check fmt serve-tiny serve-tiny-pd
 
 build:
 	$(PY) scripts/kv_offload_tree.py build
@@ -14,6 +14,15 @@ demo: build
 # there is one); ARGS go to launch_server unchanged, e.g. ARGS="--port 30000 --enable-kv-offload".
 serve-tiny: build
 	$(VENV)/bin/python scripts/tiny_server.py $(ARGS)
+
+# A PD pair on the tiny model: prefill + decode servers (Mooncake over TCP on loopback) and the mini
+# load balancer on PORT; ARGS go to both servers, DECODE_ARGS to the decode server only, e.g.
+# DECODE_ARGS="--enable-kv-offload --kv-offload-config '{\"pd_direct_to_host\": true}'".
+PORT ?= 30000
+serve-tiny-pd: export TINY_PD_ARGS = $(ARGS)
+serve-tiny-pd: export TINY_PD_DECODE_ARGS = $(DECODE_ARGS)
+serve-tiny-pd: build
+	$(VENV)/bin/python scripts/tiny_pd.py --port $(PORT)
 
 test: build
 	$(VENV)/bin/python -m pytest -q test/srt/kv_offload $(PYTEST_ARGS)

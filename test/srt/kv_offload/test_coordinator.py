@@ -16,6 +16,9 @@ from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheCo
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
+    index_row_bytes,
+    index_rows,
+    set_index_rows,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
@@ -468,6 +471,78 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
         for t, a in zip(state, after_eager):
             assert torch.equal(t, a)
         assert int(h.coord.workspace.error_flags[0]) == 0
+    h.finish_all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(device):
+    # 5 physical pages; a 250-token prompt stages in 4, leaving 64 rows for its 128 slots.
+    h = Harness(physical_pages=5, buffer_slots=128, max_reqs=2, device=device)
+    assert h.admit(250)
+    (r,) = h.kv
+    assert h.coord.requests[r].has_slots, "slots taken from its own backed-up pages"
+    assert h.coord.stats["forced_backups"] == 1
+    locs = h.r2t.req_to_token[r, :192].long()
+    assert bool((h.alloc.loc_to_host[locs] >= 0).all())
+    draw = _seeded_draw(3)
+    for _ in range(70):  # across a page boundary: the tail page is backed up and freed normally
+        h.step([r], draw)
+        h.coord.poll()
+    h.finish_all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_retraction_copy_round_trip(device):
+    """get_cpu_copy reads GPU tail rows and host rows (pinned on CUDA) alike; load_cpu_copy puts
+    them, and the index keys, into fresh GPU rows that then decode like a staged prompt."""
+    h = Harness(physical_pages=12, buffer_slots=64, max_reqs=3, device=device)
+    assert h.admit(150)
+    (r,) = h.kv
+    pool, alloc = h.pool, h.alloc
+    n0 = 150
+    locs = h.r2t.req_to_token[r, :n0].long()
+    index = [
+        torch.randint(0, 256, (n0, index_row_bytes(pool.index_head_dim)), dtype=torch.uint8).to(
+            device
+        )
+        for _ in range(LAYERS)
+    ]
+    for layer in range(LAYERS):
+        set_index_rows(pool.index_k_with_scale_buffer[layer], locs, index[layer], pool)
+    draw = _seeded_draw(3)
+    for _ in range(20):
+        h.step([r], draw)
+    h.coord.drain()
+    n = h.seq_len(r)
+    locs = h.r2t.req_to_token[r, :n].long()
+    on_host = alloc.loc_to_host[locs] >= 0
+    assert bool(on_host[:128].all()) and not bool(on_host[-10:].any()), "host and GPU rows mixed"
+    saved = alloc.get_cpu_copy(locs)
+    for layer in range(LAYERS):
+        assert torch.equal(saved[layer][0], h.kv[r][layer].cpu())
+        assert torch.equal(saved[layer][1][:n0], index[layer].cpu())
+    truth = [h.kv[r][layer] for layer in range(LAYERS)]
+    h.retire(r)
+    h.coord.drain()
+    assert alloc.free_counts() == h.start
+    # Resume into fresh locs with physical rows (what pd_prealloc does for a resumed request).
+    seq = torch.tensor([n])
+    z = torch.zeros(1, dtype=torch.int64)
+    new = alloc.alloc_extend(
+        z.to(device), z, seq.to(device), seq, torch.full((1,), -1, device=device), n
+    )
+    alloc.load_cpu_copy(saved, new)
+    phys = alloc.full_to_hisparse_device_index_mapping[new]
+    for layer in range(LAYERS):
+        assert torch.equal(pool.device_row_view(layer)[phys], truth[layer])
+        got = index_rows(pool.index_k_with_scale_buffer[layer], new, pool)
+        assert torch.equal(got[:n0], index[layer])
+    r2 = h.free_reqs.pop()
+    h.r2t.req_to_token[r2, :n] = new.to(torch.int32)
+    h.kv[r2] = truth
+    h.coord.admit(r2, n)
+    for _ in range(5):
+        h.step([r2], draw)
     h.finish_all()
 
 

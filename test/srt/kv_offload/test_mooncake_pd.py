@@ -242,9 +242,9 @@ class _Decode:
     def __init__(self, direct: bool):
 
         import sglang.srt.server_args as server_args_module
+        from _stand_in_runner import make_runner, offload_global_server_args
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.chunk_cache import ChunkCache
-        from test_runtime_hooks import make_runner, offload_global_server_args
 
         server_args_module.set_global_server_args_for_scheduler(offload_global_server_args())
         self.direct = direct
@@ -292,9 +292,9 @@ class _Decode:
 
     def prealloc(self, rid: str, n: int):
         """The patched ``DecodePreallocQueue._pre_alloc`` + destination pages of ``pop_preallocated``."""
+        from _stand_in_runner import new_req
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
         from sglang.srt.disaggregation.utils import kv_to_page_indices
-        from test_runtime_hooks import new_req
 
         req = new_req(n)
         req.rid, req.return_logprob, req.finished_reason = rid, False, None
@@ -483,7 +483,7 @@ _PRELOAD = [
     "sglang.srt.disaggregation.utils",
     "sglang.srt.disaggregation.decode",
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
-    "test_runtime_hooks",
+    "_stand_in_runner",
 ]
 
 
