@@ -1,181 +1,157 @@
 #!/usr/bin/env python3
-"""Demo of --enable-kv-offload: the flag through the real ServerArgs, then proof by decoding.
+"""Demo of --enable-kv-offload on the real server: the tiny DeepSeek-V3.2, flag off vs on.
 
-1. Flags (short): the flag is parsed by the patched ``ServerArgs`` with an embedded tiny DeepSeek-V3.2
-   config; unsupported combinations are rejected with a message that names the fix.
-2. Proof by decoding: ``benchmark/kv_offload/nsa_engine.py`` decodes a seeded workload (arrivals,
-   finish, abort, retract, sparse-pool pressure, padded CUDA-graph rows) through the real pools and
-   the kv_offload coordinator, next to an all-on-GPU run of the same model, and compares every
-   layer's attention output and every token bit for bit. Exits non-zero if anything differs or any
-   allocator does not return to its start.
+1. Starts two ``python -m sglang.launch_server`` (``scripts/tiny_server.py``: a 2-layer random-weight
+   ``DeepseekV32ForCausalLM``, CPU unless CUDA is present) side by side: one with
+   ``--enable-kv-offload`` (index top-k 64 and 128 sparse slots per request, so contexts of 500+
+   tokens evict and reload rows from the host at most steps) and ``--max-total-tokens`` of device
+   memory, and the reference without the flag, given 4x that budget so that it admits the same
+   requests at the same steps (on the CPU a request's greedy tokens depend on what it is batched
+   with, flag or not).
+2. Sends the same prompts to both in one ``/generate`` call each and compares the greedy tokens.
+3. Prints what the flag bought (token budget in the same device memory, device bytes per cached
+   token), what it did (rows loaded from the host, hit rate, backups) and the leak check.
 
-Runs on CPU (Triton kernels in the interpreter) in about a minute and a half; ``--device cuda``
-selects DeepSeek-V3.2 KV shapes.
+Exits non-zero when a token differs or a free count does not return to its start. Logs go to a
+temporary directory removed at exit (``--keep-logs DIR`` keeps them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
+import shutil
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
+from typing import Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmark", "kv_offload"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
+from _real_server import TinyServer  # noqa: E402
 
-import nsa_engine  # noqa: E402  (path set above; imports no sglang module at import time)
-
-TINY_DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "index_head_dim": 128,
-    "index_n_heads": 4,
-    "index_topk": 2048,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-06,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-}
+LAYERS = 2  # the tiny model (test/srt/kv_offload/fixtures/tiny-deepseek-v32/config.json)
+INDEX_ROW = 132  # fp8 index key (128) + fp32 scale, per token and layer
+LRU_ENTRY = 4  # the GPU LRU's int32 location entry, per token and layer
+KV_ROW = {"bfloat16": 1152, "fp8_e4m3": 656}
 
 
-def show_flags(kv_offload_config: str) -> int:
-    """Parse the flag through the real ServerArgs and show the rejected combinations."""
-    import logging
-    import warnings
-
-    import torch
-
-    warnings.filterwarnings("ignore")  # upstream warns about CUDA-only quantization kernels on CPU
-    if not torch.cuda.is_available():
-        # ServerArgs reads the GPU's compute capability to pick NSA defaults; answer as an H200 does.
-        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-    logging.disable(logging.WARNING)
-    from sglang.srt.mem_cache.sparsity.kv_offload.config import (
-        KVOffloadConfigError,
-        validate_server_args,
-    )
-    from sglang.srt.server_args import prepare_server_args
-
-    model_dir = tempfile.mkdtemp(prefix="tiny-dsa-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(TINY_DSA_CONFIG, f)
-    base = ["--model-path", model_dir, "--device", "cpu", "--attention-backend", "nsa"]
-    good = base + [
-        "--disable-radix-cache",
-        "--enable-kv-offload",
-        "--kv-offload-config",
-        kv_offload_config,
-    ]
-    print("$ launch_server " + " ".join(good[2:]))
-    server_args = prepare_server_args(good)
-    server_args.check_server_args()
-    config = validate_server_args(server_args)
-    print(
-        f"accepted: kv_cache_dtype={server_args.kv_cache_dtype} "
-        f"nsa_decode_backend={server_args.nsa_decode_backend} page_size={server_args.page_size}; "
-        + ", ".join(f"{k}={v}" for k, v in vars(config).items())
-    )
-    cases = [
-        (
-            "--enable-hisparse",
-            ["--disable-radix-cache", "--enable-kv-offload", "--enable-hisparse"],
-        ),
-        ("radix cache left on", ["--enable-kv-offload"]),
-        (
-            "trtllm decode kernel",
-            ["--disable-radix-cache", "--enable-kv-offload", "--nsa-decode-backend", "trtllm"],
-        ),
-        (
-            "buffer below top-k",
-            [
-                "--disable-radix-cache",
-                "--enable-kv-offload",
-                "--kv-offload-config",
-                '{"sparse_slots_per_req": 1024}',
-            ],
-        ),
-        (
-            "unknown key",
-            ["--disable-radix-cache", "--enable-kv-offload", "--kv-offload-config", '{"slots": 1}'],
-        ),
-    ]
-    print("rejected combinations:")
-    failures = 0
-    for label, extra in cases:
-        try:
-            prepare_server_args(base + extra).check_server_args()
-        except KVOffloadConfigError as exc:
-            print(f"  {label:22s} -> {exc}")
-        else:
-            print(f"  {label:22s} -> NOT rejected (bug)")
-            failures += 1
-    logging.disable(logging.NOTSET)
-    return failures
+def prompt(n: int, seed: int) -> List[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 500) for _ in range(n)]
 
 
-def run_proof(args: argparse.Namespace) -> int:
-    """Run the decode engine with a progress bar and print the summary table."""
-    from tqdm import tqdm
+def log(t0: float, msg: str) -> None:
+    print(f"[demo {time.time() - t0:5.0f} s] {msg}", flush=True)
 
-    cfg, steps, requests = nsa_engine.config_from_args(args)
-    print(
-        f"\nproof by decoding: {requests} requests, up to {steps} decode steps, {cfg.kv_dtype} KV, "
-        f"{cfg.compute_layers} layers, top-k {cfg.topk}, {cfg.buffer_slots} sparse slots/request, "
-        f"{cfg.physical_pages * nsa_engine.PAGE} physical rows (oracle: all KV on the device)"
-    )
-    bar = tqdm(total=steps, unit="step", desc="decode", leave=True, mininterval=0.5)
 
-    def progress(done: int, engine: nsa_engine.Engine) -> None:
-        bar.update(done - bar.n)
-        st = engine.stats
-        bar.set_postfix(
-            running=len(engine.offload.seq), finished=st.finished, identical=st.mismatches == 0
+def generate_with_progress(t0, servers: Dict[str, TinyServer], prompts, new_tokens: int):
+    """The same call on both servers at once, printing decode progress until both answer."""
+    out: Dict[str, list] = {}
+    calls = [
+        threading.Thread(
+            target=lambda k=k, s=s: out.__setitem__(k, s.generate_batch(prompts, new_tokens))
         )
-
-    st = nsa_engine.run_engine(cfg, steps, requests, progress)
-    bar.close()
-    print(nsa_engine.format_table(st))
-    if not st.identical:
-        print("FAIL: offload and all-on-GPU outputs differ", file=sys.stderr)
-    if not st.leak_free:
-        print("FAIL: an allocator did not return to its start", file=sys.stderr)
-    return 0 if st.identical and st.leak_free else 1
+        for k, s in servers.items()
+    ]
+    for call in calls:
+        call.start()
+    steps0 = servers["on"].offload_state()["decode_steps"]
+    while any(call.is_alive() for call in calls):
+        time.sleep(5)
+        steps = servers["on"].offload_state()["decode_steps"] - steps0
+        done = ", ".join(k for k in servers if k in out) or "none"
+        log(t0, f"  decoding: {steps} steps with the flag so far; finished: {done}")
+    for call in calls:
+        call.join()
+    return out
 
 
 def main() -> int:
-    parser = nsa_engine.build_parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kv-offload-config", default='{"sparse_slots_per_req": 4096}')
-    parser.add_argument("--flags", action="store_true", help="only the flag demonstration")
-    parser.add_argument("--no-flags", action="store_true", help="skip the flag demonstration")
-    args = parser.parse_args()
-    t0 = time.perf_counter()
-    nsa_engine.prepare_environment(args.device)
-    failures = 0 if args.no_flags else show_flags(args.kv_offload_config)
-    rc = 1 if failures else 0
-    if not args.flags:
-        rc |= run_proof(args)
-    print(f"demo wall time {time.perf_counter() - t0:.1f} s")
-    return rc
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--max-total-tokens", type=int, default=4096, help="device token budget")
+    ap.add_argument("--keep-logs", default=None, help="keep the server logs in this directory")
+    a = ap.parse_args()
+    t0 = time.time()
+    log_dir = (
+        Path(a.keep_logs) if a.keep_logs else Path(tempfile.mkdtemp(prefix="kv-offload-demo-"))
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    common = [
+        "--json-model-override-args", json.dumps({"index_topk": 64}),
+        "--chunked-prefill-size", "256",
+        "--context-length", "1024",
+        "--max-running-requests", "8",
+    ]  # fmt: skip
+    budget_args = ["--max-total-tokens", str(a.max_total_tokens)]
+    reference_args = ["--max-total-tokens", str(4 * a.max_total_tokens)]
+    flag = ["--enable-kv-offload", "--kv-offload-config", '{"sparse_slots_per_req": 128}']
+    servers = {}
+    try:
+        log(t0, "[1/3] starting two tiny DeepSeek-V3.2 servers (python -m sglang.launch_server): "
+            f"--enable-kv-offload with --max-total-tokens {a.max_total_tokens}, and the reference "
+            f"without the flag ({4 * a.max_total_tokens})")  # fmt: skip
+        servers = {
+            "off": TinyServer(common + reference_args, log_dir / "off.log"),
+            "on": TinyServer(common + budget_args + flag, log_dir / "on.log"),
+        }
+        for server in servers.values():
+            server.wait_ready()
+        info = {k: s.server_info() for k, s in servers.items()}
+        dtype = info["on"]["kv_cache_dtype"]
+        dtype = "bfloat16" if dtype == "auto" else dtype
+        log(t0, f"      ready; KV cache dtype {dtype}, device {info['on']['device']}")
+
+        prompts = [prompt(a.prompt_tokens + 100 * i, i) for i in range(a.requests)]
+        log(t0, f"[2/3] {a.requests} requests of {a.prompt_tokens}-"
+            f"{a.prompt_tokens + 100 * (a.requests - 1)} tokens, {a.new_tokens} new tokens "
+            "each, greedy, the same /generate call to both")  # fmt: skip
+        before = servers["on"].offload_state()
+        out = generate_with_progress(t0, servers, prompts, a.new_tokens)
+        tokens = {k: [o["output_ids"] for o in v] for k, v in out.items()}
+        equal = [x == y for x, y in zip(tokens["off"], tokens["on"])]
+        state = servers["on"].wait_no_leak()
+
+        log(t0, "[3/3] results")
+        row = KV_ROW[dtype]
+        on_budget = info["on"]["max_total_num_tokens"]
+        off_bytes = (row + INDEX_ROW) * LAYERS
+        on_bytes = (INDEX_ROW + LRU_ENTRY) * LAYERS
+        loaded = state["loaded"] - before["loaded"]
+        selected = state["selected"] - before["selected"]
+        hits = state["hits"] - before["hits"]
+        lines = [
+            f"greedy tokens equal: {sum(equal)}/{len(equal)} requests",
+            f"token budget in the device memory of {a.max_total_tokens} tokens: {on_budget} with "
+            f"the flag ({100 * (on_budget / a.max_total_tokens - 1):+.0f} %)",
+            f"device bytes per cached token ({LAYERS} layers, {dtype} KV): {off_bytes} B without the "
+            f"flag, {on_bytes} B with it ({100 * (on_bytes / off_bytes - 1):+.0f} %; the KV is in the "
+            f"host pool, plus a bounded sparse buffer of 128 slots per request)",
+            f"top-k rows: {selected} selected, {hits} hits in the sparse buffer "
+            f"({100 * hits / max(selected, 1):.0f} %), {loaded} loaded from the host "
+            f"({state['loaded_bytes'] - before['loaded_bytes']} B); "
+            f"{state['backup_tokens'] - before['backup_tokens']} tokens backed up",
+            "free counts back at their start: "
+            + ", ".join(f"{k} {v}" for k, v in state["free"].items()),
+        ]
+        for line in lines:
+            print("  " + line)
+        ok = all(equal)
+        if not ok:
+            print("FAIL: the tokens differ with the flag", file=sys.stderr)
+        log(t0, "done" if ok else "FAILED")
+        return 0 if ok else 1
+    finally:
+        for server in servers.values():
+            server.stop()
+        if not a.keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import nsa_engine as ne  # noqa: E402  (imports no sglang module at import time)
+import bench_common as ne  # noqa: E402  (imports no sglang module at import time)
 
 logger = logging.getLogger("bench_decode_scale")
 
@@ -125,6 +124,7 @@ class OffloadStack:
             from sglang.srt.mem_cache.sparsity.kv_offload.controller import (
                 KVOffloadCacheController,
             )
+            from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
             from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
             from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 
@@ -258,7 +258,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     # Prompts: write random KV into their physical rows, admit, back up; time the backups.
     backup_s, backup_bytes = 0.0, 0
     for r, n in enumerate(lens):
-        locs = ne._alloc_extend(st.alloc, n, dev)
+        locs = ne.alloc_extend(st.alloc, n, dev)
         st.r2t.req_to_token[r, :n] = locs.to(torch.int32)
         phys = st.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
         for layer in range(layers):
@@ -320,7 +320,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
         torch.cuda.synchronize()
         misses.zero_()
         e0.record()
-        locs = ne._alloc_decode(st.alloc, st.r2t.req_to_token, range(bs), cur)
+        locs = ne.alloc_decode(st.alloc, st.r2t.req_to_token, range(bs), cur)
         cur = [n + 1 for n in cur]
         st.r2t.req_to_token[torch.arange(bs, device=dev), torch.tensor(cur, device=dev) - 1] = (
             locs.to(torch.int32)
