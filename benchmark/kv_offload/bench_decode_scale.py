@@ -121,10 +121,10 @@ class OffloadStack:
         if not with_host:  # the coordinator's own workspace, for the memory count
             self.workspace = PlanWorkspace(reqs, topk, self.sparse.max_slots, torch.device("cuda"))
         else:
+            from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
             from sglang.srt.mem_cache.sparsity.kv_offload.controller import (
                 KVOffloadCacheController,
             )
-            from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
             from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
             from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 
