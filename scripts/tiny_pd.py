@@ -135,13 +135,16 @@ class PDPair:
         log_dir: Path,
         decode_env: Optional[Dict[str, str]] = None,
         lb_port: Optional[int] = None,
+        prefill_extra: Sequence[str] = (),
     ):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = pd_env()
         self.bootstrap_port = free_port()
         self.prefill = TinyServer(
-            prefill_args(args, self.bootstrap_port), self.log_dir / "prefill.log", env
+            prefill_args(list(args) + list(prefill_extra), self.bootstrap_port),
+            self.log_dir / "prefill.log",
+            env,
         )
         self.decode = TinyServer(
             decode_args(args, decode_extra),

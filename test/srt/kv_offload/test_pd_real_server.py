@@ -160,3 +160,29 @@ def test_abort_mid_decode(servers, mode):
     thread.join(300)
     assert len(result.get("output_ids", [])) < 400, result
     pair.decode.wait_no_leak()
+
+
+@pytest.mark.parametrize("mode", ["gpu_pages", "direct_to_host"])
+def test_abort_during_transfer(servers, mode):
+    """Aborted on the decode server while the prefill server is still computing and sending the
+    prompt (the request sits in the decode server's transfer queue): nothing leaks, and the pair
+    serves the next request."""
+    _, pairs = servers
+    pair = pairs[mode]
+    rid = f"abort-transfer-{mode}"
+    chunks_before = pair.prefill.log().count("Prefill batch")
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(generate(pair.url, prompt(1000, 21), 8, rid=rid))
+    )
+    thread.start()
+    deadline = time.time() + 300
+    while pair.prefill.log().count("Prefill batch") < chunks_before + 1:
+        assert time.time() < deadline, "the prefill server never started the prompt"
+        time.sleep(0.05)
+    pair.decode.abort(rid)
+    thread.join(300)
+    assert len(result.get("output_ids", [])) < 8, result
+    pair.decode.wait_no_leak()
+    assert len(generate(pair.url, PROMPTS[0], 4)["output_ids"]) == 4
+    pair.decode.wait_no_leak()

@@ -1,7 +1,7 @@
 """Configuration and flag validation for ``--enable-kv-offload``.
 
-Pure Python: ``ServerArgs.check_server_args`` calls :func:`validate_server_args` only when the flag (or
-``--kv-offload-config``) is given, so the default path never imports this package.
+``ServerArgs.check_server_args`` imports this module and calls :func:`validate_server_args` only when
+the flag (or ``--kv-offload-config``) is given, so the default path never imports this package.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import dataclasses
 import json
 import logging
 from typing import Any, Dict, Optional, Union
+
+from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +205,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "or drop --kv-offload-config."
         )
     config = KVOffloadConfig.from_json(server_args.kv_offload_config)
-
-    from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
-
     hf_config = server_args.get_model_config().hf_config
     if not is_deepseek_nsa(hf_config):
         arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]

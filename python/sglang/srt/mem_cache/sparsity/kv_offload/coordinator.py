@@ -317,9 +317,6 @@ class KVOffloadCoordinator:
         self.stats["released"] += 1
         return True
 
-    def has_inflight_backups(self) -> bool:
-        return self.controller.has_inflight()
-
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
         self.controller.drain()
