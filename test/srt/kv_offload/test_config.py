@@ -21,7 +21,7 @@ DOCUMENTED_DEFAULTS = {
 
 def test_defaults_when_absent():
     assert dataclasses.asdict(KVOffloadConfig.from_json(None)) == DOCUMENTED_DEFAULTS
-    for text in ("", "  ", "{}", {}):
+    for text in ("{}", {}):
         assert dataclasses.asdict(KVOffloadConfig.from_json(text)) == DOCUMENTED_DEFAULTS, text
 
 
@@ -59,12 +59,19 @@ def test_values_round_trip():
         ('{"sparse_slots_per_req": true}', "must be a JSON int"),
         ('{"sparse_pool_slots": 100}', "multiple of 64"),
         ('{"sparse_pool_slots": 1024}', "cannot hold even one request"),
-        ('{"host_pool_size_gb": -1}', "must be >= 0"),
+        ('{"host_pool_size_gb": -1}', "must be a finite number >= 0"),
         ('{"host_pool_ratio": 0.5}', "must be >= 1"),
         ('{"host_pool_size_gb": 10, "host_pool_ratio": 2}', "set only one of them"),
         ('{"pin_host_memory": 1}', "must be a JSON bool"),
         ('{"h2d_programs_per_req": -4}', "must be >= 0"),
         ('{"pd_direct_to_host": "yes"}', "pd_direct_to_host must be a JSON bool"),
+        ('{"sparse_slots_per_req": 40000}', "above 32767, the most the GPU LRU can order"),
+        ('{"host_pool_size_gb": Infinity}', "must be a finite number >= 0"),
+        ('{"host_pool_size_gb": NaN}', "must be a finite number >= 0"),
+        ('{"host_pool_ratio": Infinity}', "host_pool_ratio=inf"),
+        ("", "is empty"),
+        ("   ", "is empty"),
+        ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):

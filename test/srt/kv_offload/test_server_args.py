@@ -122,6 +122,26 @@ def test_speculative_decoding():
     assert "speculative decoding" in rejected(args)
 
 
+def test_unpinned_host_memory_on_cuda():
+    args = make_args("--enable-kv-offload", "--kv-offload-config", '{"pin_host_memory": false}')
+    args.device = "cuda"
+    assert "pin_host_memory=false on CUDA" in rejected(args)
+    args.device = "cpu"  # the CPU server has nothing to pin for
+    args.check_server_args()
+
+
+def test_pipeline_parallelism():
+    args = make_args("--enable-kv-offload", "--disable-overlap-schedule")  # upstream's PP rule
+    args.pp_size = 2
+    assert "--pp-size 2" in rejected(args)
+
+
+def test_two_batch_overlap():
+    args = make_args("--enable-kv-offload")
+    args.enable_two_batch_overlap = True
+    assert "--enable-two-batch-overlap" in rejected(args)
+
+
 def test_dp_attention():
     args = make_args("--enable-kv-offload")
     args.enable_dp_attention = True

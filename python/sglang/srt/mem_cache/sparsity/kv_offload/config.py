@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from typing import Any, Dict, Optional, Union
 
 from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 PAGE_SIZE = 64
 """NSA's KV page size on CUDA; host allocation and sparse slot grants are aligned to it."""
+MAX_SLOTS_PER_REQ = 32767
+"""The GPU LRU keeps each request's slot order as int16."""
 
 # Decode attention kernels that read flat token-slot indices into an arbitrary KV tensor, by the KV
 # cache dtype they accept. trtllm/tilelang/aiter transform top-k themselves or run on other hardware.
@@ -66,11 +69,16 @@ class KVOffloadConfig:
     @classmethod
     def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
         """Parse and validate ``--kv-offload-config`` (a JSON object string, or a dict)."""
-        if text is None or (isinstance(text, str) and not text.strip()):
+        if text is None:
             return cls()
         if isinstance(text, str):
+            if not text.strip():
+                raise KVOffloadConfigError(
+                    "--kv-offload-config is empty. Pass a JSON object such as "
+                    "'{\"sparse_slots_per_req\": 4096}', or drop the option for the defaults."
+                )
             try:
-                raw = json.loads(text)
+                raw = json.loads(text, object_pairs_hook=_no_duplicate_keys)
             except json.JSONDecodeError as exc:
                 raise KVOffloadConfigError(
                     f"--kv-offload-config is not valid JSON ({exc.msg} at position {exc.pos}). "
@@ -127,11 +135,18 @@ class KVOffloadConfig:
             f"sparse_slots_per_req={self.sparse_slots_per_req}; raise it or use 0 (auto)",
         )
         _require(
-            self.host_pool_size_gb >= 0,
-            f"host_pool_size_gb={self.host_pool_size_gb} must be >= 0 (0 uses host_pool_ratio)",
+            self.sparse_slots_per_req <= MAX_SLOTS_PER_REQ,
+            f"sparse_slots_per_req={self.sparse_slots_per_req} is above {MAX_SLOTS_PER_REQ}, the "
+            "most the GPU LRU can order per request (int16); use at most "
+            f"{MAX_SLOTS_PER_REQ // PAGE_SIZE * PAGE_SIZE}",
         )
         _require(
-            self.host_pool_ratio >= 1.0,
+            math.isfinite(self.host_pool_size_gb) and self.host_pool_size_gb >= 0,
+            f"host_pool_size_gb={self.host_pool_size_gb} must be a finite number >= 0 (0 uses "
+            "host_pool_ratio)",
+        )
+        _require(
+            math.isfinite(self.host_pool_ratio) and self.host_pool_ratio >= 1.0,
             f"host_pool_ratio={self.host_pool_ratio} must be >= 1: the host pool holds the full KV "
             "of every logical token on the device",
         )
@@ -143,6 +158,17 @@ class KVOffloadConfig:
             self.status_log_interval >= 0,
             f"status_log_interval={self.status_log_interval} must be >= 0 (0 turns it off)",
         )
+
+
+def _no_duplicate_keys(pairs) -> Dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicated:
+        raise KVOffloadConfigError(
+            f"--kv-offload-config sets {duplicated} more than once; JSON would keep only the last "
+            "value. Set each key once."
+        )
+    return dict(pairs)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -245,6 +271,22 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm}) "
             "is not supported yet: draft tokens would need their own sparse slots. Drop "
             "--speculative-algorithm or the offload flag."
+        )
+    if not config.pin_host_memory and server_args.device == "cuda":
+        _reject(
+            "pin_host_memory=false on CUDA: the per-layer loads read the host pool directly from "
+            "the GPU (zero-copy), which needs pinned memory. Drop pin_host_memory from "
+            "--kv-offload-config."
+        )
+    if server_args.pp_size > 1:
+        _reject(
+            f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported yet: the "
+            "pools and the coordinator are built for all layers of one rank. Use --pp-size 1."
+        )
+    if server_args.enable_two_batch_overlap:
+        _reject(
+            "two-batch overlap (--enable-two-batch-overlap) is not supported yet: its two "
+            "micro-batches would plan into one workspace. Drop --enable-two-batch-overlap."
         )
     if server_args.enable_dp_attention:
         _reject(

@@ -26,12 +26,9 @@ import logging
 from typing import List, NamedTuple, Optional, Protocol
 
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE
+from sglang.srt.mem_cache.sparsity.kv_offload.config import MAX_SLOTS_PER_REQ, PAGE_SIZE
 
 logger = logging.getLogger(__name__)
-
-# The LRU permutation is stored as int16.
-MAX_SLOTS_PER_REQ = 32767
 
 
 class SlotAllocator(Protocol):
