@@ -70,8 +70,14 @@ def context(n: int) -> List[str]:
 
 
 OFF_LARGE = COMMON + context(CONTEXT) + LARGE_GPU
-# A quarter of OFF_LARGE's GPU budget; a status line every STATUS_INTERVAL decode steps.
-ON = COMMON + context(CONTEXT) + SMALL_GPU + offload(status_log_interval=STATUS_INTERVAL)
+# A quarter of OFF_LARGE's GPU budget; a status line every STATUS_INTERVAL decode steps; metrics.
+ON = (
+    COMMON
+    + context(CONTEXT)
+    + SMALL_GPU
+    + offload(status_log_interval=STATUS_INTERVAL)
+    + ["--enable-metrics"]
+)
 OFF_SMALL = COMMON + context(PRESSURE_CONTEXT) + ["--max-total-tokens", str(PRESSURE_TOKENS)]
 ON_PRESSURE = (
     COMMON
@@ -235,6 +241,41 @@ def test_status_line_every_interval(main_pair):
     logged = [int(n) for n in re.findall(r"kv_offload: step (\d+), ", on.log())]
     assert steps >= STATUS_INTERVAL, steps
     assert logged == list(range(STATUS_INTERVAL, steps + 1, STATUS_INTERVAL))
+
+
+def metric(text: str, name: str) -> float:
+    """The value of ``sglang:kv_offload_<name>`` in a Prometheus text exposition."""
+    found = re.findall(rf"^sglang:kv_offload_{name}{{[^}}]*}} (\S+)$", text, re.M)
+    assert len(found) == 1, (name, found)
+    return float(found[0])
+
+
+def test_metrics_on_the_prometheus_endpoint(main_pair):
+    """With --enable-metrics, GET /metrics exports the offload state (refreshed every second
+    from the scheduler loop): the same figures as /server_info."""
+    _, on = main_pair
+    on.generate(prompt(700, 31), 8)
+    state = on.wait_no_leak()
+    pairs = {
+        "rows_loaded_total": "loaded",
+        "bytes_loaded_total": "loaded_bytes",
+        "topk_rows_selected_total": "selected",
+        "topk_rows_hit_total": "hits",
+        "backup_tokens_total": "backup_tokens",
+        "prefill_waits_total": "prefill_waits",
+    }
+    deadline = time.time() + 60
+    while True:
+        text = requests.get(on.url + "/metrics", timeout=30).text
+        got = {name: metric(text, name) for name in pairs}  # all exported from start-up on
+        if all(got[name] == state[key] for name, key in pairs.items()) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert got == {name: float(state[key]) for name, key in pairs.items()}
+    assert state["loaded"] > 0
+    assert metric(text, "host_pool_free_tokens") == state["free"]["host"]
+    assert metric(text, "host_pool_used_tokens") == 0  # idle: every request released
+    assert metric(text, "sparse_slots_used") == 0 and metric(text, "backups_in_flight") == 0
 
 
 def test_token_budget_with_the_same_gpu_budget(main_pair):

@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 
@@ -163,7 +164,11 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
     )
-    allocator.kv_offload = KVOffloadRuntime(coordinator)
+    metrics = None
+    if server_args.enable_metrics:
+        labels = {"model_name": server_args.served_model_name, "tp_rank": str(runner.tp_rank)}
+        metrics = KVOffloadMetrics(labels)
+    allocator.kv_offload = KVOffloadRuntime(coordinator, metrics)
     runner.hisparse_coordinator = NSAOffloadAdapter(coordinator)
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
@@ -192,8 +197,11 @@ class KVOffloadRuntime(KVOffloadHooks):
     coordinator's (request state, promises, counters) and the allocator's (free lists).
     """
 
-    def __init__(self, coordinator: KVOffloadCoordinator) -> None:
+    def __init__(
+        self, coordinator: KVOffloadCoordinator, metrics: Optional[KVOffloadMetrics] = None
+    ) -> None:
         self.coordinator = coordinator
+        self.metrics = metrics  # with --enable-metrics
         self.allocator: KVOffloadTokenToKVPoolAllocator = coordinator.allocator
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
         # when their transfer succeeds (admit_transferred), never at a decode step.
@@ -251,6 +259,8 @@ class KVOffloadRuntime(KVOffloadHooks):
 
     def on_scheduler_iteration(self) -> None:
         self.coordinator.poll()
+        if self.metrics is not None and self.metrics.due():
+            self.metrics.update(self.coordinator.offload_state())
 
     def internal_state(self) -> Dict[str, object]:
         return self.coordinator.offload_state()
