@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -34,8 +33,12 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
-import requests  # noqa: E402
-from _real_server import TinyServer, free_port  # noqa: E402
+from _real_server import (  # noqa: E402
+    TinyServer,
+    free_port,
+    stop_process_group,
+    wait_healthy,
+)
 
 LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 LB_START_TIMEOUT_S = 120
@@ -86,27 +89,11 @@ class MiniLB:
         )
 
     def wait_ready(self, timeout: float = LB_START_TIMEOUT_S) -> "MiniLB":
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mini lb exited with {self.proc.returncode}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError("mini lb not ready")
-            time.sleep(1)
+        wait_healthy(self.url, self.proc, timeout, lambda: "mini load balancer")
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
         self._log.close()
 
 

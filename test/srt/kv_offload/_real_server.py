@@ -7,6 +7,7 @@ offload state) or its log lines; nothing reaches into its memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import requests
 
@@ -33,6 +34,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, describe) -> None:
+    """Poll ``url/health`` until it answers 200; raise (with ``describe()``) if ``proc`` exits
+    or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{describe()}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"not ready after {timeout} s:\n{describe()}")
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM the process group ``proc`` leads (started with ``start_new_session``), SIGKILL it
+    if it has not exited after ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def started(*servers) -> Iterator[None]:
+    """Servers (anything with ``wait_ready`` and ``stop``) ready, and stopped afterwards."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def wait_until(condition, what: str, timeout: float = 300, poll_s: float = 0.1) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(poll_s)
 
 
 class TinyServer:
@@ -54,26 +102,11 @@ class TinyServer:
 
     # ------------------------------------------------------------------ life cycle
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "TinyServer":
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+        wait_healthy(self.url, self.proc, timeout, self.log_tail)
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc)
         self._log.close()
 
     def alive(self) -> bool:

@@ -17,17 +17,15 @@ back at their start (``GET /server_info``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import pytest
 import requests
-from _real_server import TinyServer
+from _real_server import TinyServer, started, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from tiny_pd import PDPair  # noqa: E402
@@ -68,17 +66,6 @@ def generate(url: str, ids, max_new_tokens: int, rid=None) -> Dict:
     if rid is not None:
         body["rid"] = rid
     return requests.post(url + "/generate", json=body, timeout=600).json()
-
-
-@contextlib.contextmanager
-def started(*servers) -> Iterator[None]:
-    try:
-        for server in servers:
-            server.wait_ready()
-        yield
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +139,10 @@ def test_abort_mid_decode(servers, mode):
         target=lambda: result.update(generate(pair.url, prompt(600, 9), 400, rid=rid))
     )
     thread.start()
-    deadline = time.time() + 300
-    while pair.decode.offload_state()["decode_steps"] < steps0 + 3:
-        assert time.time() < deadline, "the request never started decoding"
-        time.sleep(0.5)
+    wait_until(
+        lambda: pair.decode.offload_state()["decode_steps"] >= steps0 + 3,
+        "the request never started decoding",
+    )
     pair.decode.abort(rid)
     thread.join(300)
     assert len(result.get("output_ids", [])) < 400, result
@@ -176,10 +163,10 @@ def test_abort_during_transfer(servers, mode):
         target=lambda: result.update(generate(pair.url, prompt(1000, 21), 8, rid=rid))
     )
     thread.start()
-    deadline = time.time() + 300
-    while pair.prefill.log().count("Prefill batch") < chunks_before + 1:
-        assert time.time() < deadline, "the prefill server never started the prompt"
-        time.sleep(0.05)
+    wait_until(
+        lambda: pair.prefill.log().count("Prefill batch") >= chunks_before + 1,
+        "the prefill server never started the prompt",
+    )
     pair.decode.abort(rid)
     thread.join(300)
     assert len(result.get("output_ids", [])) < 8, result

@@ -31,7 +31,7 @@ from typing import Iterator, List
 
 import pytest
 import requests
-from _real_server import TinyServer
+from _real_server import TinyServer, started
 
 pytestmark = pytest.mark.slow
 
@@ -109,13 +109,8 @@ def prompt(n: int, seed: int) -> List[int]:
 def running(*specs) -> Iterator[List[TinyServer]]:
     """Servers started side by side (``(args, log_path[, env])`` each), ready, stopped after."""
     servers = [TinyServer(*spec) for spec in specs]
-    try:
-        for server in servers:
-            server.wait_ready()
+    with started(*servers):
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

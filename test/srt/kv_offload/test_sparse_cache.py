@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from _lru_sim import World, make_allocator, run_trace
+from _lru_sim import make_allocator, run_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import plan_layer_ref
