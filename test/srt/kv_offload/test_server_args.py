@@ -511,3 +511,25 @@ def test_documented_pd_decode_command_validates():
     assert args.enable_kv_offload and args.disaggregation_mode == "decode"
     assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
     args.check_server_args()
+
+
+def test_documented_colocated_tp8_command_validates():
+    """The co-located launch of docs/kv_offload.md ("Deployer's guide") passes the real checks."""
+    import shlex
+
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "kv_offload.md")
+    text = open(docs).read()
+    start = text.index("**Launch (co-located, one node, TP8):**")
+    block = text[text.index("```", start) + 3 : text.index("```", text.index("```", start) + 3)]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"] and "--enable-kv-offload" in argv
+    argv = argv[3:]
+    argv[argv.index("--model-path") + 1] = DSA_MODEL  # offline: the tiny config, one rank
+    i = argv.index("--tp")
+    del argv[i : i + 2]
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args([*argv, "--device", "cpu"])
+    assert args.enable_kv_offload and args.disaggregation_mode == "null"
+    assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
+    args.check_server_args()
