@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import traces as realistic  # noqa: E402  (imports torch only)
+
 logger = logging.getLogger("bench_lru")
 ROOT = Path(__file__).resolve().parents[2]
 PKG = "sglang.srt.mem_cache.sparsity.kv_offload"
@@ -371,7 +374,23 @@ class Bench:
         dev_rows = bs * (S + 64) + 64
         devbuf = torch.zeros((dev_rows, row), dtype=torch.uint8, device=dev)
         dev_w = devbuf.view(host_w.dtype)
-        traces = make_traces(bs, ctx, K, churn, a.steps, dev, seed=a.seed)
+        if a.trace == "realistic":
+            cfg = realistic.TraceConfig(
+                batch=bs,
+                context=ctx - 1,
+                topk=K,
+                layers=2,
+                steps=a.steps,
+                window=min(realistic.TraceConfig.window, K // 16),  # small top-k in smoke runs
+                churn=churn,
+                seed=a.seed,
+            )
+            trace = realistic.generate(cfg, device=dev)
+            trace_stats = realistic.measure(trace[:, :, :1])
+            traces = [trace[t, 0].to(dev) for t in range(a.steps)]
+        else:
+            traces = make_traces(bs, ctx, K, churn, a.steps, dev, seed=a.seed)
+            trace_stats = None
         rpi = torch.arange(bs, dtype=torch.int64, device=dev)
         nr = torch.tensor([bs], dtype=torch.int32, device=dev)
         base = (torch.arange(bs, dtype=torch.int32, device=dev) * ctx)[:, None]
@@ -393,6 +412,8 @@ class Bench:
             bs=bs,
             ctx=ctx,
             churn=churn,
+            trace=a.trace,
+            trace_stats=trace_stats,
             row_bytes=row,
             host_layers=layers,
             host_gb=region * layers * row / 1e9,
@@ -683,6 +704,14 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--buffer", type=int, default=4096, help="sparse slots per request (HOT)")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument(
+        "--trace",
+        choices=["uniform", "realistic"],
+        default="uniform",
+        help="uniform: each step replaces --churn of the top-k by never-seen positions; "
+        "realistic: traces.py (sinks, local window, drifting relevance with returns, layer "
+        "sharing) calibrated to --churn of the drifting part",
+    )
     p.add_argument("--warm", type=int, default=6)
     p.add_argument("--num-warps", type=int, default=8)
     p.add_argument("--tune", action="store_true", help="pick num_warps by plan time first")
