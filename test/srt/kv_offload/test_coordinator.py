@@ -382,30 +382,51 @@ def test_admit_from_host_refuses_a_prompt_that_is_not_on_the_host():
     assert h.alloc.free_counts() == h.start
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    bs=st.integers(1, 4),
-    k=st.integers(1, 40),
-    n_real=st.integers(0, 4),
-    data=st.data(),
-)
-def test_positions_to_locs_matches_reference(bs, k, n_real, data):
-    from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import topk_positions_to_locs
+@pytest.mark.parametrize("n_real", [3, 2])
+def test_plan_on_positions_equals_plan_on_their_locs(n_real):
+    """The plan kernel's positions mode (translation through req_to_token inside the kernel,
+    what the adapter uses) gives the rows, miss list, counters and LRU state that translating
+    first (the reference) and planning the locs gives; padded rows resolve to nothing."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace, plan_layer
     from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import topk_positions_to_locs_ref
 
-    ctx = 50
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    req_to_token = torch.randint(1, 10_000, (6, ctx), dtype=torch.int32, generator=gen)
-    rpi = torch.randint(0, 6, (bs,), generator=gen)
-    pos = torch.randint(-1, ctx, (bs, k), dtype=torch.int32, generator=gen)
-    n = torch.tensor([min(n_real, bs)], dtype=torch.int32)
-    out = torch.full((bs + 2, k), 5, dtype=torch.int32)
-    ref = out.clone()
-    got = topk_positions_to_locs(pos, rpi, req_to_token, n, out)
-    want = topk_positions_to_locs_ref(pos, rpi, req_to_token, n, ref)
-    assert torch.equal(got, want)
-    assert torch.equal(out[bs:], torch.full((2, k), 5, dtype=torch.int32)), "rows past bs untouched"
-    assert bool((got[n.item() :] == -1).all())
+    runs = []
+    for positions_mode in (True, False):
+        h = Harness(physical_pages=24, buffer_slots=64)
+        for n in (130, 200, 90):
+            assert h.admit(n)
+        h.coord.drain()  # complete pages on the host, their tail rows freed: they can miss
+        reqs = sorted(h.kv)
+        gen = torch.Generator().manual_seed(5)
+        pos = torch.stack(
+            [torch.randperm(h.seq_len(r), generator=gen)[:TOPK].to(torch.int32) for r in reqs]
+        )
+        pos[0, -3:] = -1
+        rpi = torch.tensor(reqs, dtype=torch.int64)
+        n = torch.tensor([n_real], dtype=torch.int32)
+        ws = PlanWorkspace(len(reqs), TOPK, h.sparse.max_slots, "cpu")
+        layer = h.sparse.layer(0)
+        tables = (h.alloc.loc_to_host, h.alloc.full_to_hisparse_device_index_mapping)
+        if positions_mode:
+            plan = plan_layer(pos, rpi, n, *tables, layer, ws, req_to_token=h.r2t.req_to_token)
+        else:
+            locs = torch.full_like(pos, 7)
+            topk_positions_to_locs_ref(pos, rpi, h.r2t.req_to_token, n, locs)
+            plan = plan_layer(locs, rpi, n, *tables, layer, ws)
+        count = int(plan.miss_count[0])
+        runs.append(
+            (
+                plan.out_indices.clone(),
+                plan.num_misses.clone(),
+                sorted(zip(plan.miss_host[:count].tolist(), plan.miss_dst[:count].tolist())),
+                ws.stats.clone(),
+                [t.clone() for t in layer],
+            )
+        )
+    (out_a, nm_a, miss_a, st_a, lay_a), (out_b, nm_b, miss_b, st_b, lay_b) = runs
+    assert torch.equal(out_a, out_b) and torch.equal(nm_a, nm_b) and miss_a == miss_b
+    assert torch.equal(st_a, st_b) and all(torch.equal(x, y) for x, y in zip(lay_a, lay_b))
+    assert bool((out_a[n_real:] == -1).all()) and int(st_a[3]) > 0  # padded rows; loads happened
 
 
 @pytest.mark.gpu

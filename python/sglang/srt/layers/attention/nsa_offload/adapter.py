@@ -6,13 +6,13 @@ switches the decode indexer to unfused top-k (token positions) when one is insta
 runner and CUDA-graph replay set ``num_real_reqs`` before every forward. kv offload installs this
 adapter there (``runtime.build_allocator``), so the backend needs no kv offload hook of its own.
 
-Per layer, on the forward stream, three launches and no host sync (CUDA-graph safe: fixed shapes,
+Per layer, on the forward stream, two launches and no host sync (CUDA-graph safe: fixed shapes,
 device-side counts, no allocation):
 
-1. positions -> logical locs (``topk_positions_to_locs``, through ``req_to_token``);
-2. the plan (``plan_layer``): hits in the request's sparse slots, rows still in the GPU tail, and
-   for each miss an LRU victim slot and the host slot to load;
-3. the host -> device load of the misses into those slots (``controller.load_one_layer``), ordered
+1. the plan (``plan_layer`` in positions mode): each top-k position to its logical loc through
+   ``req_to_token``, then hits in the request's sparse slots, rows still in the GPU tail, and for
+   each miss an LRU victim slot and the host slot to load;
+2. the host -> device load of the misses into those slots (``controller.load_one_layer``), ordered
    before this layer's attention by stream order.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer, topk_positions_to_locs
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer
 
 
 class NSAOffloadAdapter:
@@ -37,9 +37,6 @@ class NSAOffloadAdapter:
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
         # every eager forward and graph replay.
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=device)
-        self.topk_locs = torch.full(
-            (coordinator.max_bs, coordinator.topk), -1, dtype=torch.int32, device=device
-        )
 
     def swap_in_selected_pages(
         self,
@@ -55,18 +52,11 @@ class NSAOffloadAdapter:
         reuse it).
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
-        topk = topk_positions_to_locs(
-            topk_indices,
-            req_pool_indices,
-            self.coordinator.req_to_token,
-            self.num_real_reqs,
-            self.topk_locs,
-        )
         coord = self.coordinator
         allocator = coord.allocator
         grouped = coord.grouped_loads
         plan = plan_layer(
-            topk,
+            topk_indices,
             req_pool_indices,
             self.num_real_reqs,
             allocator.loc_to_host,
@@ -74,6 +64,7 @@ class NSAOffloadAdapter:
             coord.sparse_cache.layer(layer_id),
             coord.workspace,
             compact=not grouped,
+            req_to_token=coord.req_to_token,
         )
         if grouped:
             coord.controller.load_one_layer(

@@ -68,10 +68,13 @@ def _plan_layer_kernel(
     vict_ptr,
     err_ptr,
     stats_ptr,
+    r2t_ptr,
+    r2t_stride,
     K,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     COMPACT: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     b = tl.program_id(0)
     n_real = tl.load(n_real_ptr)
@@ -90,6 +93,9 @@ def _plan_layer_kernel(
         r = tl.load(rpi_ptr + b).to(tl.int64)
         n = tl.load(num_slots_ptr + r)
         t = tl.load(topk_ptr + b.to(tl.int64) * topk_stride + offs_k, mask=kmask, other=-1)
+        if POSITIONS:  # token positions of request r -> its logical locs (req_to_token)
+            t = tl.load(r2t_ptr + r * r2t_stride + t.to(tl.int64), mask=t >= 0, other=-1)
+            t = t.to(tl.int32)
         valid = t >= 0
         t64 = t.to(tl.int64)
 
@@ -230,11 +236,14 @@ def plan_layer(
     num_warps: int = 8,
     compact: bool = True,
     out_indices: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
 ) -> PlanResult:
     """Plan one layer: resolve ``topk`` to physical rows, pick victims, emit the miss list.
 
     Args:
-        topk: (bs, K) int32 logical locs from the indexer, -1 padded; read only.
+        topk: (bs, K) int32 logical locs from the indexer, -1 padded; read only. With
+            ``req_to_token``: token positions of each row's request instead (the unfused decode
+            indexer's output), translated to logical locs inside the kernel.
         req_pool_indices: (bs,) int64 request of each row (stale for padded rows).
         num_real_reqs: (1,) int32 device tensor; rows ``>= num_real_reqs[0]`` are padding.
         loc_to_host: (N_logical,) int64 host slot per logical loc, -1 if not backed up.
@@ -248,20 +257,27 @@ def plan_layer(
             stale), for ``transfer.copy_rows(..., num_valid=miss_count)``. False: row ``b``'s
             misses sit at ``[b*K, b*K + num_misses[b])``, the rest of the row is -1 (deterministic).
         out_indices: optional (bs, K) int32 destination instead of ``ws.out_indices[:bs]``.
+        req_to_token: ``ReqToTokenPool.req_to_token`` (int32, rows by ``req_pool_indices``); makes
+            ``topk`` positions (one launch instead of a translation launch plus the plan).
 
     Returns:
         Views of the workspace: rewritten indices, per-row packed miss list (host slot, physical
         row; -1 padded), per-row miss counts and the sticky error flags (see ``lru_ref``).
     """
     bs, K = topk.shape
+    positions = req_to_token is not None
     assert K == ws.topk and bs <= ws.max_bs, (bs, K, ws.max_bs, ws.topk)
-    assert topk.dtype == torch.int32 and topk.stride(1) == 1
+    # Locs are int32 (slot_loc stores them); the indexer's positions may be int64.
+    assert topk.stride(1) == 1 and (topk.dtype == torch.int32 or positions), topk.dtype
     loc_to_slot, slot_loc, lru, ocls, num_slots = state
     assert slot_loc.stride() == lru.stride() and slot_loc.stride(1) == 1
     assert slot_loc.shape[1] <= ws.block_s
     out = ws.out_indices[:bs] if out_indices is None else out_indices
     assert out.dtype == torch.int32 and out.stride(1) == 1 and tuple(out.shape) == (bs, K)
     ws.miss_count.zero_()
+    if positions:
+        assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    r2t = req_to_token if positions else topk  # unused without positions
     _plan_layer_kernel[(bs,)](
         topk,
         topk.stride(0),
@@ -286,10 +302,13 @@ def plan_layer(
         ws._vict,
         ws.error_flags,
         ws.stats,
+        r2t,
+        r2t.stride(0),
         K,
         BLOCK_K=ws.block_k,
         BLOCK_S=ws.block_s,
         COMPACT=compact,
+        POSITIONS=positions,
         num_warps=num_warps,
     )
     return PlanResult(
@@ -300,58 +319,3 @@ def plan_layer(
         ws.error_flags,
         ws.miss_count,
     )
-
-
-@triton.jit
-def _topk_positions_to_locs_kernel(
-    pos_ptr,
-    pos_stride,
-    rpi_ptr,
-    n_real_ptr,
-    r2t_ptr,
-    r2t_stride,
-    out_ptr,
-    out_stride,
-    K,
-    BLOCK_K: tl.constexpr,
-):
-    b = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    kmask = offs < K
-    real = b < tl.load(n_real_ptr)
-    pos = tl.load(pos_ptr + b * pos_stride + offs, mask=kmask & real, other=-1)
-    r = tl.load(rpi_ptr + b, mask=real, other=0).to(tl.int64)
-    loc = tl.load(r2t_ptr + r * r2t_stride + pos.to(tl.int64), mask=pos >= 0, other=-1)
-    tl.store(out_ptr + b * out_stride + offs, tl.where(pos >= 0, loc, -1).to(tl.int32), mask=kmask)
-
-
-def topk_positions_to_locs(
-    topk_pos: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    req_to_token: torch.Tensor,
-    num_real_reqs: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Token positions from the unfused indexer top-k -> logical locs, into ``out[:bs]``.
-
-    HiSparse's model-side protocol (which kv offload reuses) switches the decode indexer to unfused
-    top-k, i.e. positions in ``[0, seq_len)`` with -1 padding. ``-1`` stays ``-1``; rows
-    ``>= num_real_reqs[0]`` (CUDA-graph padding, stale request index) become all -1. Fixed grid,
-    no sync, no allocation.
-    """
-    bs, K = topk_pos.shape
-    assert out.shape[0] >= bs and out.shape[1] == K and out.dtype == torch.int32
-    assert topk_pos.stride(1) == 1 and req_to_token.stride(1) == 1
-    _topk_positions_to_locs_kernel[(bs,)](
-        topk_pos,
-        topk_pos.stride(0),
-        req_pool_indices,
-        num_real_reqs,
-        req_to_token,
-        req_to_token.stride(0),
-        out,
-        out.stride(0),
-        K,
-        BLOCK_K=triton.next_power_of_2(K),
-    )
-    return out[:bs]
