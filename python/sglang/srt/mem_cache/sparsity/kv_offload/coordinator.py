@@ -97,12 +97,12 @@ class KVOffloadCoordinator:
         self.sparse_cache = sparse_cache
         self.page_size = allocator.page_size
         self.device = sparse_cache.device
-        self.topk = sparse_cache.topk
-        self.max_bs = max_bs
         self.grouped_loads = grouped_loads
         self.pd_direct_to_host = pd_direct_to_host
         self.forward_stream = forward_stream if self.device.type == "cuda" else None
-        self.workspace = PlanWorkspace(max_bs, self.topk, sparse_cache.max_slots, self.device)
+        self.workspace = PlanWorkspace(
+            max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device
+        )
         self.requests: Dict[int, OffloadedRequest] = {}
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval

@@ -462,22 +462,25 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         on_gpu_cpu, host_cpu = on_gpu.cpu(), host.cpu()
         gpu_rows = physical[on_gpu]
         pin = str(self.device).startswith("cuda")
-        out = []
+        # Every layer's device -> host copies go into pinned buffers (DMA, not bounced), one wait.
+        staged = []
         for i in range(kv.layer_num):
-            layer_id = kv.start_layer + i
-            # Staged through pinned memory: the device -> host copies are DMA, not bounced.
-            rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8, pin_memory=pin)
             from_gpu = torch.empty(
                 (gpu_rows.numel(), kv.row_bytes), dtype=torch.uint8, pin_memory=pin
             )
-            from_gpu.copy_(kv.device_row_view(layer_id)[gpu_rows], non_blocking=pin)
+            from_gpu.copy_(kv.device_row_view(kv.start_layer + i)[gpu_rows], non_blocking=pin)
             index = index_rows(kv.index_k_with_scale_buffer[i], locs, kv)
             index_cpu = torch.empty(index.shape, dtype=index.dtype, pin_memory=pin)
             index_cpu.copy_(index, non_blocking=pin)
-            if pin:
-                torch.cuda.current_stream(self.device).synchronize()
+            staged.append((from_gpu, index_cpu))
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        out = []
+        for i, (from_gpu, index_cpu) in enumerate(staged):
+            rows = torch.empty((locs.numel(), kv.row_bytes), dtype=torch.uint8)
             rows[on_gpu_cpu] = from_gpu
-            rows[~on_gpu_cpu] = self.host_pool.host_row_view(layer_id)[host_cpu[~on_gpu_cpu]]
+            host_view = self.host_pool.host_row_view(kv.start_layer + i)
+            rows[~on_gpu_cpu] = host_view[host_cpu[~on_gpu_cpu]]
             out.append((rows, index_cpu))
         return out
 

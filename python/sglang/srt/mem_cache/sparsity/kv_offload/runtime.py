@@ -258,9 +258,10 @@ class KVOffloadRuntime(KVOffloadHooks):
         self.coordinator.release(req_pool_idx)
 
     def on_scheduler_iteration(self) -> None:
-        self.coordinator.poll()
         if self.metrics is not None and self.metrics.due():
-            self.metrics.update(self.coordinator.offload_state())
+            self.metrics.update(self.coordinator.offload_state())  # polls too
+        else:
+            self.coordinator.poll()
 
     def internal_state(self) -> Dict[str, object]:
         return self.coordinator.offload_state()
