@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import threading
 import time
 from typing import Iterator, List
 
+import psutil
 import pytest
 import requests
 from _real_server import TinyServer, started
@@ -341,6 +343,68 @@ class TestPressure:
         assert int(found.group(1)) == len(too_long) and int(found.group(2)) < PRESSURE_TOKENS
         assert len(tokens(on.generate(prompt(100, 701), 4))[0]) == 4
         on.wait_no_leak()
+
+
+TP = ["--tp", "2"]
+# One core per TP rank (upstream's CPU backend binds each rank to the cores listed here).
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def scheduler_pool_mappings(server: TinyServer) -> List[dict]:
+    """Per scheduler process (one per TP rank): its mappings of kv offload's shared host pool."""
+    ranks = []
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        if not child.name().startswith("sglang::scheduler"):
+            continue
+        maps = [m for m in child.memory_maps(grouped=False) if "sglang-kv-offload-" in m.path]
+        size = sum(int(hi, 16) - int(lo, 16) for lo, hi in (m.addr.split("-") for m in maps))
+        ranks.append(
+            {
+                "paths": {m.path for m in maps},
+                "bytes": size,
+                "rss": sum(m.rss for m in maps),
+                "pss": sum(m.pss for m in maps),
+            }
+        )
+    return ranks
+
+
+class TestTensorParallel:
+    """TP=2 on the CPU: one host pool for both ranks (``share_host_pool``, the default), written by
+    rank 0 and read by both, against the same TP=2 server without the flag.
+
+    Tokens are compared with TP=2 without the flag, not with TP=1: ``--load-format dummy`` fills
+    each rank's weight shard from the same seed, so TP=1 and TP=2 run different weights (their
+    greedy tokens differ from the first one, flag or not)."""
+
+    @pytest.fixture(scope="class")
+    def tp_pair(self, tmp_path_factory):
+        logs = tmp_path_factory.mktemp("tp")
+        specs = (
+            (OFF_LARGE + TP, logs / "tp2_off.log", TP_ENV),
+            (COMMON + context(CONTEXT) + SMALL_GPU + offload() + TP, logs / "tp2_on.log", TP_ENV),
+        )
+        with running(*specs) as servers:
+            yield servers
+
+    def test_tokens_equal_and_host_pool_counted_once(self, tp_pair):
+        off, on = tp_pair
+        prompts = [prompt(n, 800 + i) for i, n in enumerate((100, 300, 600, 700))]
+        assert_same_batch(off, on, prompts, 40)
+        state = on.wait_no_leak()
+        assert state["loaded"] > 0  # rank 1's attention read rows that only rank 0 wrote
+        pool = state["host_pool"]
+        assert pool["shared_by_ranks"] == 2 and pool["writes_backups"] is True
+        ranks = scheduler_pool_mappings(on)
+        assert len(ranks) == 2, ranks
+        # Both ranks map the same file, of the pool's size, and the pages they touched are
+        # resident once: each rank's proportional share is half of what it sees.
+        assert ranks[0]["paths"] == ranks[1]["paths"] and len(ranks[0]["paths"]) == 1, ranks
+        assert ranks[0]["bytes"] == ranks[1]["bytes"] >= pool["bytes"]
+        resident = max(r["rss"] for r in ranks)
+        assert resident > 0 and sum(r["pss"] for r in ranks) <= resident + 2 * 4096, ranks
+        leftover = [f for f in os.listdir("/dev/shm") if f.startswith("sglang-kv-offload-")]
+        assert not leftover, f"shared host pool files left in /dev/shm: {leftover}"
 
 
 CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_pool_slots=SLOTS)

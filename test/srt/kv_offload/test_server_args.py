@@ -1,5 +1,6 @@
 """--enable-kv-offload through the real (patched) ServerArgs, offline, on a tiny DeepSeek-V3.2 config."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -88,6 +89,16 @@ def test_attention_backend_not_nsa():
     args.decode_attention_backend = "flashinfer"
     msg = rejected(args)
     assert "--decode-attention-backend is 'flashinfer'" in msg and "nsa" in msg
+
+
+def test_page_size_given_other_than_64_is_rejected_before_upstream_rewrites_it():
+    # Upstream sets every DSA model's page size to 64 on CUDA whatever --page-size says.
+    with pytest.raises(KVOffloadConfigError) as info:
+        make_args("--enable-kv-offload", "--page-size", "32")
+    message = str(info.value)
+    assert "--page-size is 32" in message and "Use --page-size 64" in message
+    assert make_args("--enable-kv-offload", "--page-size", "64").page_size == 64
+    assert make_args("--page-size", "32").page_size == 64  # flag off: upstream's rewrite, as before
 
 
 def test_page_size_not_64():
@@ -481,7 +492,11 @@ def test_launch_server_help_lists_the_flags():
     assert res.returncode == 0, res.stderr[-3000:]
     assert "--enable-kv-offload" in res.stdout
     assert "--kv-offload-config" in res.stdout
-    assert "sparse_slots_per_req" in res.stdout
+    from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig
+
+    help_text = " ".join(res.stdout.split())  # argparse wraps lines
+    missing = [f.name for f in dataclasses.fields(KVOffloadConfig) if f.name not in help_text]
+    assert not missing, f"--kv-offload-config help does not list {missing}"
 
 
 def _documented_decode_command() -> list:

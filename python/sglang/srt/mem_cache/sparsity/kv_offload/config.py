@@ -55,6 +55,9 @@ class KVOffloadConfig:
             the prompt and no backup copies it; the NSA index state still goes to the GPU.
         status_log_interval: log one line of offload state (requests, promised and free rows,
             backups) every this many decode steps; 0 turns it off. Host-side counters only.
+        share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
+            ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
+            instead of one identical copy per rank. The host pool size is then per node.
     """
 
     sparse_slots_per_req: int = 4096
@@ -65,6 +68,7 @@ class KVOffloadConfig:
     h2d_programs_per_req: int = 0
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
+    share_host_pool: bool = True
 
     @classmethod
     def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
@@ -219,6 +223,21 @@ def _check_direct_to_host(server_args) -> None:
         )
 
 
+def check_requested_args(server_args) -> None:
+    """Checks on flags as the user gave them, before upstream's model adjustments rewrite them.
+
+    Called first thing in ``ServerArgs.__post_init__`` when ``--enable-kv-offload`` is set: upstream
+    sets the page size of every DSA model on CUDA to 64 whatever ``--page-size`` says.
+    """
+    page_size = server_args.page_size
+    if page_size is not None and page_size != PAGE_SIZE:
+        _reject(
+            f"--page-size is {page_size}; the NSA index buffer, the sparse slots and the host "
+            f"pages are laid out in pages of {PAGE_SIZE} tokens. Use --page-size {PAGE_SIZE} or "
+            "leave it unset."
+        )
+
+
 def validate_server_args(server_args) -> KVOffloadConfig:
     """Reject flag combinations that kv offload does not support; return the parsed config.
 
@@ -290,8 +309,11 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         )
     if server_args.enable_dp_attention:
         _reject(
-            "DP attention (--enable-dp-attention) is not supported yet: the host pool and the "
-            "sparse slot pool are per attention-TP group. Drop --enable-dp-attention."
+            "DP attention (--enable-dp-attention) is not supported yet: each attention-DP rank "
+            "runs its own requests, while backup completion is agreed over the whole TP group and "
+            "the host pool is shared by all TP ranks of a node. Drop --enable-dp-attention: with "
+            "plain --tp N the node's ranks share one host pool, so the host memory cost is the "
+            "same as one DP replica's."
         )
     if server_args.disaggregation_mode == "prefill":
         _reject(

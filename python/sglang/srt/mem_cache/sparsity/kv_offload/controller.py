@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
@@ -70,7 +70,9 @@ class KVOffloadCacheController:
     counters wait per layer on a load stream, while kv offload's loads go into slots planned
     inside the forward, on the forward stream. It keeps HiCache's conventions: backups on a
     dedicated ``write_stream`` ordered after the forward by events, completion agreed across TP
-    ranks by a MIN all-reduce over the CPU group.
+    ranks by a MIN all-reduce over the CPU group. With a node-shared host pool only its writer
+    rank copies; the others complete a backup (and free its GPU rows) when that MIN says the
+    writer's copy has finished.
     """
 
     def __init__(
@@ -249,13 +251,14 @@ class KVOffloadCacheController:
         start_event.record()
         with device_module.stream(self.write_stream):
             start_event.wait(self.write_stream)
-            copy_rows_all_layers(
-                self._device_views,
-                self._host_views,
-                device_rows,
-                host_dev,
-                config=self.backup_config,
-            )
+            if self.mem_pool_host.writes_backups:
+                copy_rows_all_layers(
+                    self._device_views,
+                    self._host_views,
+                    device_rows,
+                    host_dev,
+                    config=self.backup_config,
+                )
             finish_event.record()
             if device_rows.is_cuda:
                 device_rows.record_stream(self.write_stream)
@@ -318,6 +321,16 @@ class KVOffloadCacheController:
             raise ValueError(
                 f"kv_offload backup (tag={tag!r}): some logical locs have no physical KV row"
             )
+
+    def host_pool_info(self) -> Dict[str, object]:
+        """Size and sharing of the host pool (``/server_info``)."""
+        host = self.mem_pool_host
+        return {
+            "bytes": host.size * host.size_per_token,
+            "tokens": host.size,
+            "shared_by_ranks": host.shared_by_ranks,
+            "writes_backups": host.writes_backups,
+        }
 
     # ------------------------------------------------------------------ completion
     def poll(self) -> List[BackupHandle]:

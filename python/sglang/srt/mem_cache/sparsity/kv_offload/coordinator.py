@@ -402,6 +402,7 @@ class KVOffloadCoordinator:
             "promised": len(self.reservations),
             "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
             "backups_in_flight": len(self.controller.inflight),
+            "host_pool": self.controller.host_pool_info(),
             "decode_steps": self.decode_steps,
             "error_flags": self._error_flags_seen,
             **self.stats,

@@ -13,7 +13,11 @@ from typing import List, Optional, Tuple
 
 import psutil
 import torch
-from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, get_allocator_from_storage
+from sglang.srt.mem_cache.memory_pool_host import (
+    HostTensorAllocator,
+    MLATokenToKVPoolHost,
+    get_allocator_from_storage,
+)
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,9 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
     * Allocation in whole pages of ``page_size`` (64) slots.
     * Pinned with ``cudaHostRegister`` on GPU (upstream ``alloc_with_host_register``), plain memory
       on CPU.
+    * Its memory comes from ``tensor_allocator`` when given: a
+      :class:`~.shared_host.NodeSharedHostAllocator` makes one pool per node that the node's TP
+      ranks share, only its first rank writing backups (``writes_backups``).
 
     ``HostKVCache.__init__`` is replaced (not called) because it asserts the host pool is larger than
     the device pool, which is meaningless once the device only holds a sparse buffer, and its
@@ -82,6 +89,7 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         pin_memory: Optional[bool] = None,
         allocator_type: str = "default",
         host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
+        tensor_allocator: Optional[HostTensorAllocator] = None,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -93,7 +101,10 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         self.pin_memory = on_gpu if pin_memory is None else pin_memory
         if self.pin_memory and not on_gpu:
             raise ValueError("pin_memory=True needs a CUDA device pool")
-        self.allocator = get_allocator_from_storage(allocator_type)
+        self.allocator = tensor_allocator or get_allocator_from_storage(allocator_type)
+        # Only the node's first rank writes a shared pool; its other ranks map what it allocated.
+        self.writes_backups = getattr(self.allocator, "is_writer", True)
+        self.shared_by_ranks = getattr(self.allocator, "ranks_per_node", 1)
         self.override_kv_cache_dim = device_pool.kv_cache_dim
         self.dtype = device_pool.store_dtype
         self.size_per_token = self.get_size_per_token()
@@ -113,7 +124,8 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 f"least one page of {page_size} tokens. Increase host_pool_size_gb or "
                 "host_pool_ratio in --kv-offload-config"
             )
-        self._check_host_memory(host_size_gb, host_pool_ratio, host_reserve_bytes)
+        if self.writes_backups:
+            self._check_host_memory(host_size_gb, host_pool_ratio, host_reserve_bytes)
 
         self.kv_buffer = self.init_kv_buffer()
         if self.pin_memory:
@@ -139,12 +151,13 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         )
         self.row_views: List[RowView] = [RowView(self.kv_buffer[i]) for i in range(self.layer_num)]
         logger.info(
-            "kv_offload host pool: %d tokens x %d layers x %d B = %.2f GB (%s)",
+            "kv_offload host pool: %d tokens x %d layers x %d B = %.2f GB (%s%s)",
             self.size,
             self.layer_num,
             self.token_stride_size,
             self.size * self.size_per_token / GB,
             "pinned" if self.pin_memory else "pageable",
+            f", one copy for {self.shared_by_ranks} ranks" if self.shared_by_ranks > 1 else "",
         )
 
     def _check_host_memory(self, host_size_gb, host_pool_ratio, reserve: int) -> None:

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
+from sglang.srt.mem_cache.sparsity.kv_offload.shared_host import NodeSharedHostAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 
@@ -121,18 +122,19 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         pool,
         need_sort,
     )
+    tp_group = getattr(runner, "tp_group", None)
     host = KVOffloadHostPool(
         pool,
         host_size_gb=config.host_pool_size_gb,
         host_pool_ratio=0.0 if config.host_pool_size_gb > 0 else config.host_pool_ratio,
         ratio_base_tokens=sizing.logical_tokens,
         pin_memory=config.pin_host_memory and str(pool.device).startswith("cuda"),
+        tensor_allocator=_shared_host_allocator(config, server_args, tp_group),
     )
     group_load_config = None
     if config.h2d_programs_per_req:
         base = default_group_launch_config(torch.device(runner.device))
         group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
-    tp_group = getattr(runner, "tp_group", None)
     controller = KVOffloadCacheController(
         allocator,
         host,
@@ -188,6 +190,14 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         config.sparse_slots_per_req,
     )
     return allocator
+
+
+def _shared_host_allocator(config: KVOffloadConfig, server_args, tp_group):
+    """The node-shared host memory of ``share_host_pool``, or None for a pool of this rank's own."""
+    ranks_per_node = server_args.tp_size // max(server_args.nnodes, 1)
+    if not config.share_host_pool or tp_group is None or ranks_per_node <= 1:
+        return None
+    return NodeSharedHostAllocator(tp_group.cpu_group, ranks_per_node)
 
 
 class KVOffloadRuntime(KVOffloadHooks):
