@@ -51,6 +51,7 @@ class Harness:
         max_reqs=6,
         device="cpu",
         debug=True,
+        prefetch_next_layer=False,
     ):
         self.device = device
         self.pool = offload_device_pool(
@@ -72,7 +73,12 @@ class Harness:
             device=device,
         )
         self.coord = KVOffloadCoordinator(
-            self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=max_reqs
+            self.r2t.req_to_token,
+            self.alloc,
+            self.controller,
+            self.sparse,
+            max_bs=max_reqs,
+            prefetch_next_layer=prefetch_next_layer,
         )
         self.adapter = NSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
@@ -256,6 +262,53 @@ def test_long_request_pages_move_to_host_and_come_back(grouped_loads):
     h.finish_all()
 
 
+def _stats(workspace) -> dict:
+    return dict(zip(("selected", "hits", "tail", "loaded"), workspace.stats.tolist()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared", [True, False])
+def test_prefetch_next_layer_moves_loads_off_the_next_layers_plan(device, shared):
+    """Cross-layer prefetch: layer 0's top-k is planned and loaded for layer 1 before layer 1's own
+    plan. Rows stay exact either way (``Harness.step`` checks every resolved row against the KV
+    truth). When both layers select the same tokens, layer 1's own plan then loads nothing: every
+    row it would have loaded was prefetched, and the prefetch loads exactly those rows. When they
+    select different tokens, the prefetch only adds loads."""
+    runs = {}
+    for prefetch in (False, True):
+        h = Harness(physical_pages=16, device=device, prefetch_next_layer=prefetch)
+        assert h.admit(190)
+        r = next(iter(h.kv))
+        gen = torch.Generator().manual_seed(5)
+        drawn = {}
+
+        def draw(seq_len):
+            # Layer 0 draws; layer 1 repeats layer 0's draw (shared) or draws its own.
+            if shared and seq_len in drawn:
+                return drawn.pop(seq_len)
+            pos = torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
+            drawn[seq_len] = pos
+            return pos
+
+        for _ in range(40):
+            h.step([r], draw)
+            drawn.clear()
+            h.coord.drain()
+        main = _stats(h.coord.workspace)
+        pre = _stats(h.coord.prefetch_workspace) if prefetch else None
+        runs[prefetch] = (main, pre)
+        h.finish_all()
+    (off, _), (on, pre) = runs[False], runs[True]
+    assert pre["selected"] == on["selected"] // 2  # one prefetch plan per step, of layer 0's top-k
+    assert int(off["loaded"]) > 0
+    if shared:
+        # Same LRU trajectory for layer 1 as without prefetch, its loads moved to the prefetch.
+        assert on["loaded"] + pre["loaded"] == off["loaded"]
+        assert pre["loaded"] > 0 and on["loaded"] < off["loaded"]
+    else:
+        assert pre["loaded"] > 0 and on["loaded"] + pre["loaded"] > off["loaded"]
+
+
 def test_admission_without_slots_keeps_request_on_gpu():
     # 4 physical pages: the first request's prompt and slots take them all.
     h = Harness(physical_pages=4, buffer_slots=64)
@@ -431,10 +484,18 @@ def test_plan_on_positions_equals_plan_on_their_locs(n_real):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_swap_in_captured_in_cuda_graph_matches_eager(prefetch):
     """Positions -> locs, plan and load_one_layer in one CUDA graph, replayed with new top-k and a
-    padded row, give the same rows, state and KV bytes as eager calls from the same state."""
-    h = Harness(physical_pages=24, logical_pages=64, buffer_slots=64, device="cuda")
+    padded row, give the same rows, state and KV bytes as eager calls from the same state; with
+    the cross-layer prefetch too (its side stream is forked and joined inside the capture)."""
+    h = Harness(
+        physical_pages=24,
+        logical_pages=64,
+        buffer_slots=64,
+        device="cuda",
+        prefetch_next_layer=prefetch,
+    )
     for n in (150, 230, 300):
         assert h.admit(n)
     reqs = sorted(h.kv)

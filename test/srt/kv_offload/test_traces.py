@@ -59,3 +59,25 @@ def test_bench_lru_runs_on_realistic_traces(tmp_path):
     (result,) = json.loads(out.read_text())["results"]
     assert result["trace"] == "realistic" and result["trace_stats"]["returns"] > 0
     assert result["correct_ours"] and result["err_flags"] == 0 and result["misses_ours"] > 0
+
+
+def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path):
+    """The exposed-time benchmark's logic on CPU (eager, interpreter; no timing claims): on
+    realistic traces whose adjacent layers share most of their top-k, the prefetch moves loads off
+    the next layer's own plan."""
+    out = tmp_path / "exposed.json"
+    cmd = [
+        sys.executable, str(BENCH_DIR / "bench_exposed.py"),
+        "--device", "cpu", "--bs", "2", "--ctx", "512", "--layers", "3", "--topk", "64",
+        "--slots", "128", "--warm", "1", "--steps", "2", "--compute-scale", "0.001",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    plain, prefetch = row["offload"], row["offload+prefetch"]
+    assert plain["loaded_rows_per_layer"] > 0 and plain["prefetched_rows_per_layer"] == 0
+    assert prefetch["prefetched_rows_per_layer"] > 0
+    assert prefetch["loaded_rows_per_layer"] < plain["loaded_rows_per_layer"]
+    assert row["trace_stats"]["adjacent_layer_overlap"] > 0.7

@@ -14,6 +14,14 @@ device-side counts, no allocation):
    each miss an LRU victim slot and the host slot to load;
 2. the host -> device load of the misses into those slots (``controller.load_one_layer``), ordered
    before this layer's attention by stream order.
+
+With ``prefetch_next_layer`` each layer's top-k is also planned and loaded for the next layer, on a
+side stream, while this layer's attention and MLP and the next layer's indexer run: adjacent layers
+select mostly the same tokens, so the next layer's own plan then finds most of them resident and
+loads only what the guess missed. The prefetch is an ordinary plan of the next layer's LRU (an
+extra step with this layer's top-k), so a wrong guess costs bandwidth and LRU order, never
+correctness. The copy of the top-k it reads is one more launch on the forward stream; the next
+layer's plan waits for the prefetch (an event, captured into the CUDA graph as a fork and a join).
 """
 
 from __future__ import annotations
@@ -37,6 +45,15 @@ class NSAOffloadAdapter:
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
         # every eager forward and graph replay.
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=device)
+        self.num_layers = coordinator.sparse_cache.num_layers
+        ws = coordinator.prefetch_workspace
+        self._prefetch_topk = (
+            None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
+        )
+        on_cuda = device.type == "cuda"
+        self._side_stream = torch.cuda.Stream(device) if ws is not None and on_cuda else None
+        self._prefetch_done = torch.cuda.Event() if self._side_stream is not None else None
+        self._prefetch_in_flight = False
 
     def swap_in_selected_pages(
         self,
@@ -53,6 +70,16 @@ class NSAOffloadAdapter:
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
         coord = self.coordinator
+        if self._prefetch_in_flight:  # the previous layer's prefetch of this one
+            torch.cuda.current_stream().wait_event(self._prefetch_done)
+            self._prefetch_in_flight = False
+        plan = self._plan_and_load(req_pool_indices, topk_indices, layer_id, coord.workspace)
+        if coord.prefetch_workspace is not None and layer_id + 1 < self.num_layers:
+            self._prefetch(req_pool_indices, topk_indices, layer_id + 1)
+        return plan.out_indices
+
+    def _plan_and_load(self, req_pool_indices, topk_indices, layer_id: int, workspace):
+        coord = self.coordinator
         allocator = coord.allocator
         grouped = coord.grouped_loads
         plan = plan_layer(
@@ -62,7 +89,7 @@ class NSAOffloadAdapter:
             allocator.loc_to_host,
             allocator.full_to_hisparse_device_index_mapping,
             coord.sparse_cache.layer(layer_id),
-            coord.workspace,
+            workspace,
             compact=not grouped,
             req_to_token=coord.req_to_token,
         )
@@ -74,4 +101,19 @@ class NSAOffloadAdapter:
             coord.controller.load_one_layer(
                 layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
             )
-        return plan.out_indices
+        return plan
+
+    def _prefetch(self, req_pool_indices, topk_indices, layer_id: int) -> None:
+        """Plan and load ``topk_indices`` (the previous layer's top-k) for ``layer_id``."""
+        bs = topk_indices.shape[0]
+        guess = self._prefetch_topk[:bs]
+        guess.copy_(topk_indices)  # the indexer's buffer is reused by the next layer
+        workspace = self.coordinator.prefetch_workspace
+        if self._side_stream is None:  # CPU: in order
+            self._plan_and_load(req_pool_indices, guess, layer_id, workspace)
+            return
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
+            self._plan_and_load(req_pool_indices, guess, layer_id, workspace)
+            self._prefetch_done.record()
+        self._prefetch_in_flight = True

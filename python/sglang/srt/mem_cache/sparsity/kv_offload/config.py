@@ -55,6 +55,9 @@ class KVOffloadConfig:
             the prompt and no backup copies it; the NSA index state still goes to the GPU.
         status_log_interval: log one line of offload state (requests, promised and free rows,
             backups) every this many decode steps; 0 turns it off. Host-side counters only.
+        prefetch_next_layer: while a layer computes, plan and load its top-k for the next
+            layer on a side stream (adjacent layers select mostly the same tokens), so the next
+            layer's own plan loads only what the guess missed.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
@@ -68,6 +71,7 @@ class KVOffloadConfig:
     h2d_programs_per_req: int = 0
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
+    prefetch_next_layer: bool = True
     share_host_pool: bool = True
 
     @classmethod

@@ -90,6 +90,7 @@ class KVOffloadCoordinator:
         pd_direct_to_host: bool = False,
         status_log_interval: int = 0,
         forward_stream: Optional[torch.Stream] = None,
+        prefetch_next_layer: bool = False,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -103,6 +104,13 @@ class KVOffloadCoordinator:
         self.workspace = PlanWorkspace(
             max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device
         )
+        # Cross-layer prefetch plans into its own workspace: it runs beside the next layer's
+        # indexer and this layer's attention, which still read the main one.
+        self.prefetch_workspace = (
+            PlanWorkspace(max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device)
+            if prefetch_next_layer
+            else None
+        )
         self.requests: Dict[int, OffloadedRequest] = {}
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
@@ -110,7 +118,7 @@ class KVOffloadCoordinator:
         # The plan's counters and error flags, copied to the host after each step's forward and
         # read one step later, so reading them never waits for the device.
         self._device_report = torch.zeros(
-            (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            (2 * len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
         )
         self._device_report_event: Optional[torch.cuda.Event] = None
         self._error_flags_seen = 0
@@ -334,9 +342,13 @@ class KVOffloadCoordinator:
         if self._serving:
             return
         self._serving = True
-        self.workspace.reset_errors()
-        self.workspace.stats.zero_()
+        for ws in self._workspaces():
+            ws.reset_errors()
+            ws.stats.zero_()
         self._device_report.zero_()
+
+    def _workspaces(self) -> List[PlanWorkspace]:
+        return [ws for ws in (self.workspace, self.prefetch_workspace) if ws is not None]
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
@@ -368,7 +380,13 @@ class KVOffloadCoordinator:
 
     def _launch_device_report(self) -> None:
         """Copy the plan counters and error flags to the host behind the coming forward."""
-        report = torch.cat([self.workspace.stats, self.workspace.error_flags.to(torch.int64)])
+        prefetch = self.prefetch_workspace
+        flags = self.workspace.error_flags
+        if prefetch is None:
+            prefetch_stats = torch.zeros_like(self.workspace.stats)
+        else:
+            prefetch_stats, flags = prefetch.stats, flags | prefetch.error_flags
+        report = torch.cat([self.workspace.stats, prefetch_stats, flags.to(torch.int64)])
         self._device_report.copy_(report, non_blocking=True)
         if self.device.type == "cuda":
             self._device_report_event = torch.cuda.Event()
@@ -386,8 +404,13 @@ class KVOffloadCoordinator:
 
     def device_counters(self) -> Dict[str, int]:
         """The plan's running counters as of the last completed report (no device sync)."""
-        out = dict(zip(STAT_NAMES, self._device_report.tolist()))
-        out["loaded_bytes"] = out["loaded"] * self.controller.mem_pool_device.row_bytes
+        values = self._device_report.tolist()
+        n = len(STAT_NAMES)
+        out = dict(zip(STAT_NAMES, values[:n]))
+        out.update(zip((f"prefetch_{name}" for name in STAT_NAMES), values[n : 2 * n]))
+        row_bytes = self.controller.mem_pool_device.row_bytes
+        out["loaded_bytes"] = out["loaded"] * row_bytes
+        out["prefetch_loaded_bytes"] = out["prefetch_loaded"] * row_bytes
         return out
 
     def offload_state(self) -> Dict[str, object]:

@@ -165,6 +165,7 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         pd_direct_to_host=config.pd_direct_to_host,
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
+        prefetch_next_layer=config.prefetch_next_layer,
     )
     metrics = None
     if server_args.enable_metrics:

@@ -1,0 +1,343 @@
+"""Exposed offload time per layer: kv offload on a DeepSeek-V3.2 decode step's critical path.
+
+Each point builds the real pools (split NSA device pool, pinned host pool, allocator, controller,
+GPU LRU, coordinator, attention adapter) for ``bs`` requests of ``ctx`` tokens whose KV is on the
+host (admitted as a PD direct-to-host decode server admits them), and replays a decode step of
+``--layers`` layers from one CUDA graph. Per layer, on the forward stream:
+
+* ``compute``: a stand-in for one DeepSeek-V3.2 layer's decode work on one rank of a TP8 / EP8 node:
+  the sparse attention's read of ``topk`` KV rows per request from the sparse buffer (a row gather),
+  the attention projections (q_a, q_b, kv_a, o_proj; 16 heads a rank) and the MoE (the rank's 32 of
+  256 experts that this batch's tokens route to, ``32 * (1 - (1 - 8/256) ** bs)`` in expectation,
+  plus the shared expert), as bf16 GEMMs that read the same bytes as the fp8 weights;
+* ``offload``: the same with kv offload's swap-in before the attention read (the adapter's launches:
+  plan and load, exactly as ``NativeSparseAttnBackend.forward_decode`` calls it);
+* ``offload+prefetch``: the same with ``prefetch_next_layer`` (each layer's top-k planned and loaded
+  for the next layer on a side stream, forked and joined inside the graph).
+
+Top-k comes from ``traces.py`` (realistic: sinks, window, drifting relevance, per-layer churn,
+adjacent layers sharing most of their selection). The exposed time per layer is
+``(step time - compute step time) / layers``: what offload adds to the critical path. Each variant
+starts from the same cold sparse state and replays the same steps (warm-up steps not timed).
+
+    source scripts/gpu_env.sh
+    python3 benchmark/kv_offload/bench_exposed.py --out results/bench_exposed-h200.json
+
+HiSparse 0.5.23's kernel is not in this run: it needs that release's sources (the rebase issue) and
+its JIT kernel imports ``tvm_ffi``, which the lent GPU image lacks. ``--device cpu`` runs the same
+code eagerly under the Triton interpreter (tiny sizes; a smoke test, no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import traces as realistic  # noqa: E402
+from bench_common import prepare_environment  # noqa: E402
+from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
+
+HIDDEN = 7168
+EXPERT_BYTES = 3 * HIDDEN * 2048  # gate, up, down of one routed expert, fp8
+ATTN_PROJ_BYTES = (  # one rank of TP8, fp8: q_a, q_b (16 heads x 192), kv_a, o_proj (16 x 128)
+    HIDDEN * 1536 + 1536 * 16 * 192 + HIDDEN * (KV_LORA + ROPE) + 16 * 128 * HIDDEN
+)
+LOCAL_EXPERTS, ROUTED, TOP_EXPERTS = 32, 256, 8
+
+
+def moe_bytes(bs: int) -> int:
+    """Expected fp8 expert bytes one EP8 rank reads for ``bs`` tokens (plus the shared expert)."""
+    touched = LOCAL_EXPERTS * (1 - (1 - TOP_EXPERTS / ROUTED) ** bs)
+    return int((touched + 1) * EXPERT_BYTES)
+
+
+class LayerCompute:
+    """The per-layer compute stand-in (see module docstring); fixed buffers, graph-capturable."""
+
+    def __init__(self, bs: int, topk: int, device: torch.device, scale: float = 1.0):
+        cols = lambda nbytes: max(1, int(nbytes * scale) // (HIDDEN * 2))  # noqa: E731 (bf16)
+        self.x = torch.randn((bs, HIDDEN), dtype=torch.bfloat16, device=device)
+        self.w_attn = torch.randn(
+            (HIDDEN, cols(ATTN_PROJ_BYTES)), dtype=torch.bfloat16, device=device
+        )
+        self.w_moe = torch.randn((HIDDEN, cols(moe_bytes(bs))), dtype=torch.bfloat16, device=device)
+        self.y_attn = torch.empty((bs, self.w_attn.shape[1]), dtype=torch.bfloat16, device=device)
+        self.y_moe = torch.empty((bs, self.w_moe.shape[1]), dtype=torch.bfloat16, device=device)
+        self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
+
+    def __call__(self, kv_rows: torch.Tensor, rows: torch.Tensor) -> None:
+        # The attention read: every selected row of this layer (padding -1 clamps to row 0).
+        torch.index_select(kv_rows, 0, rows.reshape(-1).clamp_min(0), out=self.read)
+        torch.matmul(self.x, self.w_attn, out=self.y_attn)
+        torch.matmul(self.x, self.w_moe, out=self.y_moe)
+
+
+class Point:
+    """Real kv offload pools and coordinators for ``bs`` requests of ``ctx`` tokens on the host."""
+
+    def __init__(self, a, bs: int, ctx: int, device: torch.device):
+        from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
+        from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+        from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+            KVOffloadNSATokenToKVPool,
+            KVOffloadTokenToKVPoolAllocator,
+        )
+        from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+        from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+        self.bs, self.ctx, self.layers, self.device = bs, ctx, a.layers, device
+        logical = bs * ctx
+        physical = bs * (a.slots + 2 * PAGE) + PAGE
+        self.pool = KVOffloadNSATokenToKVPool(
+            physical_size=physical,
+            logical_size=logical,
+            page_size=PAGE,
+            kv_lora_rank=KV_LORA,
+            dtype=torch.float8_e4m3fn,
+            qk_rope_head_dim=ROPE,
+            layer_num=a.layers,
+            device=str(device),
+            index_head_dim=INDEX_DIM,
+            enable_memory_saver=False,
+            kv_cache_dim=FP8_ROW_BYTES,
+        )
+        self.alloc = KVOffloadTokenToKVPoolAllocator(
+            logical, physical, PAGE, torch.float8_e4m3fn, str(device), self.pool, False
+        )
+        t0 = time.time()
+        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=1.0)
+        self._fill_host(a.seed)
+        self.host_s = time.time() - t0
+        controller = KVOffloadCacheController(self.alloc, self.host)
+        self.r2t = ReqToTokenPool(bs, ctx + PAGE, str(device), False)
+        self.sparse = SparseCacheState(
+            num_layers=a.layers,
+            num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
+            max_reqs=bs,
+            buffer_slots=a.slots,
+            topk=a.topk,
+            allocator=self.alloc.hisparse_attn_allocator,
+            device=device,
+        )
+        self.adapters = {}
+        for prefetch in (False, True):
+            coord = KVOffloadCoordinator(
+                self.r2t.req_to_token,
+                self.alloc,
+                controller,
+                self.sparse,
+                max_bs=bs,
+                prefetch_next_layer=prefetch,
+            )
+            self.adapters[prefetch] = NSAOffloadAdapter(coord)
+        admitting = self.adapters[False].coordinator
+        for r in range(bs):
+            locs = self.alloc.alloc_extend_to_host(ctx)
+            assert locs is not None, "host pool too small for the point"
+            self.r2t.req_to_token[r, :ctx] = locs.to(torch.int32)
+            admitting.admit_from_host(r, ctx)
+        for adapter in self.adapters.values():
+            adapter.num_real_reqs.fill_(bs)
+        self.cold = [
+            t.clone() for t in (self.sparse.loc_to_slot, self.sparse.slot_loc, self.sparse.lru)
+        ]
+
+    def _fill_host(self, seed: int) -> None:
+        """Random rows (a repeated 64 MB tile: the bytes moved do not depend on their values)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for layer in range(self.layers):
+            view = self.host.host_row_view(layer)
+            tile_rows = min(view.shape[0], (64 << 20) // view.shape[1])
+            tile = torch.randint(
+                0,
+                256,
+                (tile_rows, view.shape[1]),
+                dtype=torch.uint8,
+                device=self.device,
+                generator=g,
+            )
+            for i in range(0, view.shape[0], tile_rows):
+                n = min(tile_rows, view.shape[0] - i)
+                view[i : i + n].copy_(tile[:n])
+
+    def reset(self) -> None:
+        for t, c in zip(
+            (self.sparse.loc_to_slot, self.sparse.slot_loc, self.sparse.lru), self.cold
+        ):
+            t.copy_(c)
+
+    def stats(self, prefetch: bool) -> List[int]:
+        coord = self.adapters[prefetch].coordinator
+        main = coord.workspace.stats.tolist()
+        pre = coord.prefetch_workspace.stats.tolist() if prefetch else [0] * len(main)
+        return main + pre
+
+
+def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
+    point = Point(a, bs, ctx, device)
+    steps = a.warm + a.steps
+    cfg = realistic.TraceConfig(
+        batch=bs,
+        context=ctx,
+        topk=a.topk,
+        layers=a.layers,
+        steps=steps,
+        window=min(realistic.TraceConfig.window, a.topk // 16),
+        churn=a.churn,
+        share=a.share,
+        seed=a.seed,
+    )
+    trace = realistic.generate(cfg, device=device)  # (steps, layers, bs, topk) positions
+    trace_stats = realistic.measure(trace[:, :, :1])
+    compute = LayerCompute(bs, a.topk, device, a.compute_scale)
+    topk = torch.full((a.layers, bs, a.topk), -1, dtype=torch.int32, device=device)
+    rpi = torch.arange(bs, dtype=torch.int64, device=device)
+    seq = torch.full((bs,), ctx, dtype=torch.int64, device=device)
+    static_rows = torch.arange(bs * a.topk, device=device).remainder(point.pool.physical_size - 1)
+    static_rows = (static_rows + 1).view(bs, a.topk).to(torch.int32)
+
+    def step(variant: str) -> None:
+        for layer in range(a.layers):
+            kv_rows = point.pool.device_row_view(layer)
+            if variant == "compute":
+                compute(kv_rows, static_rows)
+                continue
+            adapter = point.adapters[variant == "offload+prefetch"]
+            rows = adapter.swap_in_selected_pages(rpi, seq, topk[layer], layer)
+            compute(kv_rows, rows)
+
+    out: Dict = dict(
+        bs=bs,
+        ctx=ctx,
+        layers=a.layers,
+        topk=a.topk,
+        slots=a.slots,
+        row_bytes=FP8_ROW_BYTES,
+        host_gb=point.host.size * point.host.size_per_token / 1e9,
+        host_fill_s=round(point.host_s, 1),
+        compute_gb_per_layer=(ATTN_PROJ_BYTES + moe_bytes(bs)) * a.compute_scale / 1e9,
+        trace_stats=trace_stats,
+    )
+    for variant in ("compute", "offload", "offload+prefetch"):
+        point.reset()
+        times, graph = [], None
+        cuda = device.type == "cuda"
+        if cuda:
+            topk.copy_(trace[0])
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(variant)  # compile and warm outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            point.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step(variant)
+            torch.cuda.synchronize()
+            point.reset()
+        prefetch = variant == "offload+prefetch"
+        before = None
+        for t in range(steps):
+            topk.copy_(trace[t])
+            if t == a.warm:
+                before = point.stats(prefetch)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True
+                )
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                step(variant)
+                elapsed = (time.perf_counter() - t0) * 1e3
+            if t >= a.warm:
+                times.append(elapsed)
+        after = point.stats(prefetch)
+        delta = [x - y for x, y in zip(after, before)]
+        ms = statistics.median(times)
+        entry = dict(step_ms=ms, ms_per_layer=ms / a.layers)
+        if variant != "compute":
+            selected, hits, tail, loaded, _, _, _, pre_loaded = delta
+            flags = int(point.adapters[prefetch].coordinator.workspace.error_flags[0])
+            assert flags == 0, f"plan error flags {flags} in {variant}"
+            per = a.steps * a.layers
+            entry.update(
+                hit_rate=hits / max(1, selected),
+                loaded_rows_per_layer=loaded / per,
+                prefetched_rows_per_layer=pre_loaded / per,
+                loaded_mb_per_layer=loaded * FP8_ROW_BYTES / per / 1e6,
+            )
+        out[variant] = entry
+    base = out["compute"]["ms_per_layer"]
+    for variant in ("offload", "offload+prefetch"):
+        out[variant]["exposed_ms_per_layer"] = out[variant]["ms_per_layer"] - base
+    del point
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bs", default="1,8,32,64,128")
+    p.add_argument("--ctx", default="32768,131072")
+    p.add_argument("--max-tokens", type=int, default=4 << 20, help="skip points with more bs*ctx")
+    p.add_argument("--layers", type=int, default=8, help="layers in the replayed step")
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--slots", type=int, default=4096, help="sparse_slots_per_req")
+    p.add_argument("--churn", type=float, default=0.4, help="mean top-k churn per step")
+    p.add_argument("--share", type=float, default=0.97, help="adjacent-layer relevance correlation")
+    p.add_argument("--warm", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--compute-scale", type=float, default=1.0, help="scale the compute stand-in")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_exposed.json"))
+    a = p.parse_args()
+    prepare_environment(a.device)
+    device = torch.device(a.device)
+    rows = []
+    for ctx in (int(x) for x in a.ctx.split(",")):
+        for bs in (int(x) for x in a.bs.split(",")):
+            if bs * ctx > a.max_tokens:
+                print(f"[skip] bs {bs} x ctx {ctx} > --max-tokens {a.max_tokens}", flush=True)
+                continue
+            r = run_point(a, bs, ctx, device)
+            rows.append(r)
+            c, o, f = r["compute"], r["offload"], r["offload+prefetch"]
+            print(
+                f"bs {bs:4d} ctx {ctx:7d}: compute {c['ms_per_layer']:.3f} ms/layer; exposed "
+                f"offload {o['exposed_ms_per_layer']:.3f}, with prefetch "
+                f"{f['exposed_ms_per_layer']:.3f} ms/layer; critical-path rows/layer "
+                f"{o['loaded_rows_per_layer']:.0f} -> {f['loaded_rows_per_layer']:.0f} "
+                f"(+{f['prefetched_rows_per_layer']:.0f} prefetched); hit {o['hit_rate']:.3f}"
+                f" / {f['hit_rate']:.3f}",
+                flush=True,
+            )
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        args=vars(a),
+        torch=torch.__version__,
+    )
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
