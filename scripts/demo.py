@@ -149,7 +149,7 @@ def main() -> int:
         return 0 if ok else 1
     finally:
         for server in servers.values():
-            server.stop()
+            server.stop()  # also removes the server's temporary files
         if not a.keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -11,10 +11,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -94,6 +96,11 @@ class TinyServer:
         cmd, server_env = tiny_server.build_command(self.args + ["--port", str(self.port)])
         # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
         server_env.setdefault("OMP_NUM_THREADS", "1")
+        # Upstream leaves temporary files behind (ZMQ socket names, a config copy per process):
+        # give the server its own TMPDIR, removed by stop(). Short: ZMQ ipc paths must fit in
+        # 107 characters.
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvo-"))
+        server_env["TMPDIR"] = str(self.tmp_dir)
         server_env.update(env or {})
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -108,6 +115,7 @@ class TinyServer:
     def stop(self) -> None:
         stop_process_group(self.proc)
         self._log.close()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
