@@ -31,6 +31,7 @@ code eagerly under the Triton interpreter (tiny sizes; a smoke test, no timing c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -213,7 +214,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
             if variant == "compute":
                 compute(kv_rows, static_rows)
                 continue
-            adapter = point.adapters[variant == "offload+prefetch"]
+            adapter = point.adapters[variant.startswith("offload+prefetch")]
             rows = adapter.swap_in_selected_pages(rpi, seq, topk[layer], layer)
             compute(kv_rows, rows)
 
@@ -229,8 +230,18 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
         compute_gb_per_layer=(ATTN_PROJ_BYTES + moe_bytes(bs)) * a.compute_scale / 1e9,
         trace_stats=trace_stats,
     )
-    for variant in ("compute", "offload", "offload+prefetch"):
+    controller = point.adapters[True].coordinator.controller
+    default_prefetch = controller.prefetch_load_config
+    sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
+    for variant in ("compute", "offload", "offload+prefetch", *sweep):
         point.reset()
+        controller.prefetch_load_config = default_prefetch
+        if "@" in variant and device.type == "cuda":
+            per_sm = int(variant.split("@")[1])
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            controller.prefetch_load_config = dataclasses.replace(
+                default_prefetch, num_programs=per_sm * sms
+            )
         times, graph = [], None
         cuda = device.type == "cuda"
         if cuda:
@@ -247,7 +258,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
                 step(variant)
             torch.cuda.synchronize()
             point.reset()
-        prefetch = variant == "offload+prefetch"
+        prefetch = variant.startswith("offload+prefetch")
         before = None
         for t in range(steps):
             topk.copy_(trace[t])
@@ -285,8 +296,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
             )
         out[variant] = entry
     base = out["compute"]["ms_per_layer"]
-    for variant in ("offload", "offload+prefetch"):
+    for variant in ("offload", "offload+prefetch", *sweep):
         out[variant]["exposed_ms_per_layer"] = out[variant]["ms_per_layer"] - base
+    out["prefetch_programs"] = default_prefetch.num_programs
     del point
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return out
@@ -305,6 +317,12 @@ def main() -> None:
     p.add_argument("--share", type=float, default=0.97, help="adjacent-layer relevance correlation")
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--prefetch-programs-per-sm",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
+        help="also time the prefetch load with these grids (programs per SM), e.g. 1,8,128",
+    )
     p.add_argument("--compute-scale", type=float, default=1.0, help="scale the compute stand-in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_exposed.json"))
@@ -326,7 +344,12 @@ def main() -> None:
                 f"{f['exposed_ms_per_layer']:.3f} ms/layer; critical-path rows/layer "
                 f"{o['loaded_rows_per_layer']:.0f} -> {f['loaded_rows_per_layer']:.0f} "
                 f"(+{f['prefetched_rows_per_layer']:.0f} prefetched); hit {o['hit_rate']:.3f}"
-                f" / {f['hit_rate']:.3f}",
+                f" / {f['hit_rate']:.3f}"
+                + "".join(
+                    f"; {k.split('+')[1]} {v['exposed_ms_per_layer']:.3f}"
+                    for k, v in r.items()
+                    if k.startswith("offload+prefetch@")
+                ),
                 flush=True,
             )
     meta = dict(

@@ -510,6 +510,7 @@ def server_args(topk: Optional[int], slots: int, offload: bool, a: argparse.Name
         args += ["--json-model-override-args", json.dumps({"index_topk": topk})]
     if offload:
         cfg = {"sparse_slots_per_req": slots, "status_log_interval": a.status_log_interval}
+        cfg.update(a.offload_config)
         args += ["--enable-kv-offload", "--kv-offload-config", json.dumps(cfg)]
     return args + a.extra_server_args
 
@@ -549,6 +550,12 @@ def main() -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.5)
     p.add_argument("--decode-log-interval", type=int, default=8)
     p.add_argument("--status-log-interval", type=int, default=32)
+    p.add_argument(
+        "--offload-config",
+        type=json.loads,
+        default={},
+        help="more --kv-offload-config keys for the flag-on server, e.g. '{\"prefetch_next_layer\": true}'",
+    )
     p.add_argument("--deadline-s", type=float, default=560, help="stop starting work after this")
     p.add_argument(
         "--sequential-requests",

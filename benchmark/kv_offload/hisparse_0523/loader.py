@@ -86,7 +86,9 @@ def _sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def extract_subset(wheel: str | os.PathLike, dest: str | os.PathLike, *, verify: bool = True) -> pathlib.Path:
+def extract_subset(
+    wheel: str | os.PathLike, dest: str | os.PathLike, *, verify: bool = True
+) -> pathlib.Path:
     """Unpack only the files the loader needs from the 0.5.23 wheel into ``dest`` (returned).
 
     ``dest`` then holds ``sglang/kernels/...``: pass it as ``src_root`` to :func:`load_ops`.
@@ -119,7 +121,9 @@ def resolve_src_root(src_root: str | os.PathLike | None = None) -> pathlib.Path:
     """
     src_root = src_root or os.environ.get("HISPARSE_0523_SRC")
     if not src_root:
-        raise RuntimeError("pass src_root or set HISPARSE_0523_SRC to the unpacked sglang 0.5.23 tree")
+        raise RuntimeError(
+            "pass src_root or set HISPARSE_0523_SRC to the unpacked sglang 0.5.23 tree"
+        )
     root = pathlib.Path(src_root).expanduser().resolve()
     if (root / "sglang").is_dir():
         pass
@@ -141,20 +145,41 @@ def kernel_path(src_root: pathlib.Path) -> pathlib.Path:
 def cuda_home() -> str:
     """CUDA_HOME / CUDA_PATH, else ``dirname(dirname(which nvcc))``, else /usr/local/cuda.
 
-    Deviation from 0.5.23 (toolchain.py:cuda_home): a symlinked nvcc is resolved first, so an
-    ``/usr/local/bin/nvcc -> /usr/local/cuda/bin/nvcc`` link still finds ``lib64/libcudart``.
+    Deviation from 0.5.23 (toolchain.py:cuda_home), which takes ``dirname(dirname(which nvcc))`` as
+    is: here nvcc is resolved through symlinks, and candidates are checked, so a
+    ``/usr/local/bin/nvcc`` shim (as on the dev machine: a shell script exec'ing cuda-13.0/bin/nvcc)
+    still finds the toolkit: the first candidate with both ``bin/nvcc`` and a ``libcudart.so`` wins. The flags are the same once the root is found.
     """
     configured = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if configured:
         return configured
+    cands = []
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return "/usr/local/cuda"
+        cands.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    cands += ["/usr/local/cuda"] + sorted(str(p) for p in pathlib.Path("/usr/local").glob("cuda-*"))
+    for c in cands:
+        if os.path.isfile(os.path.join(c, "bin", "nvcc")) and _find_cudart(pathlib.Path(c)):
+            return c
+    return cands[0] if cands else "/usr/local/cuda"
 
 
 def nvcc_path() -> str:
     return os.path.join(cuda_home(), "bin", "nvcc")
+
+
+def cudart_dir() -> str:
+    """Where ``-lcudart`` resolves: 0.5.23 uses ``$CUDA_HOME/lib64``; fall back to lib/ and
+    targets/x86_64-linux/lib when lib64 has no libcudart.so."""
+    home = pathlib.Path(cuda_home())
+    return str(_find_cudart(home) or home / "lib64")
+
+
+def _find_cudart(home: pathlib.Path) -> Optional[pathlib.Path]:
+    for d in (home / "lib64", home / "lib", home / "targets/x86_64-linux/lib"):
+        if (d / "libcudart.so").exists():
+            return d
+    return None
 
 
 def host_cxx() -> str:
@@ -221,7 +246,8 @@ def tvm_ffi_root(explicit: str | os.PathLike | None = None) -> pathlib.Path:
 
 def tvm_ffi_paths(explicit: str | os.PathLike | None = None) -> Tuple[Tuple[str, ...], str, str]:
     """``(include dirs, lib dir, lib name)`` like 0.5.23 toolchain.tvm_ffi_paths (via tvm_ffi.libinfo:
-    find_include_path() and find_dlpack_include_path() are both ``tvm_ffi/include`` in the wheel)."""
+    find_include_path() and find_dlpack_include_path() are both ``tvm_ffi/include`` in the wheel).
+    """
     root = tvm_ffi_root(explicit)
     incs = [root / "include"]
     if not (root / "include/dlpack/dlpack.h").is_file():
@@ -281,11 +307,22 @@ def ninja_text(
     cudaflags = (
         ["-Xcompiler", "-fPIC"]
         + [f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"]
-        + [f"-DSGL_CUDA_ARCH={major * 100 + minor * 10}", "-std=c++20", "-O3", "--expt-relaxed-constexpr"]
+        + [
+            f"-DSGL_CUDA_ARCH={major * 100 + minor * 10}",
+            "-std=c++20",
+            "-O3",
+            "--expt-relaxed-constexpr",
+        ]
         + list(extra_cuda_cflags)
         + inc_flags
     )
-    ldflags = ["-shared", f"-L{_q(tvm_lib_dir)}", f"-l{tvm_lib}", f"-L{_q(cuda_home())}/lib64", "-lcudart"]
+    ldflags = [
+        "-shared",
+        f"-L{_q(tvm_lib_dir)}",
+        f"-l{tvm_lib}",
+        f"-L{_q(cudart_dir())}",
+        "-lcudart",
+    ]
     lines = [
         "ninja_required_version = 1.3",
         f"cxx = {_q(host_cxx())}",
@@ -357,7 +394,11 @@ def build_module(
     tvm = tvm_ffi_paths(tvm_ffi_dir)
     extra = list(extra_cuda_cflags) + (["-Xptxas=-v"] if verbose else [])
     text = ninja_text(
-        name=name, include_paths=[str(kpath / "include")], arch=arch, tvm_ffi=tvm, extra_cuda_cflags=extra
+        name=name,
+        include_paths=[str(kpath / "include")],
+        arch=arch,
+        tvm_ffi=tvm,
+        extra_cuda_cflags=extra,
     )
     headers = list((kpath / "include").rglob("*")) + [pathlib.Path(f) for f in files]
     key = hashlib.sha256(
@@ -580,9 +621,16 @@ def load_swap_in(
 # ------------------------------------------------------------------------------------------------
 # Pure-Python model of the kernel's two block-level prefix scans (CUDA branch), for the block-size bug
 # ------------------------------------------------------------------------------------------------
-def simulate_scan(block_size: int, counts: Sequence[int], warp_size: int = 32) -> Tuple[List[int], int]:
-    """Replay ``load_cache_to_device_buffer_kernel``'s chunk scan (hisparse.cuh lines ~505-560 for
-    hits/evictables, ~575-620 for misses; CUDA ``#else`` branch) on per-chunk ``counts``.
+def _i32(v: int) -> int:
+    """int32 wrap-around, as the kernel's ``int`` arithmetic does on the GPU."""
+    return (v + 2**31) % 2**32 - 2**31
+
+
+def simulate_scan(
+    block_size: int, counts: Sequence[int], warp_size: int = 32
+) -> Tuple[List[int], int]:
+    """Replay ``load_cache_to_device_buffer_kernel``'s chunk scans (hisparse.cuh 513-595 for
+    hits/evictables, 597-665 for misses; CUDA ``#else`` branch) on per-chunk ``counts``.
 
     Returns (the exclusive offsets s_chunk_offset[chunk] each chunk's lanes read, final total).
     Correct output = the plain exclusive prefix sum of ``counts`` and ``sum(counts)``.
@@ -603,19 +651,23 @@ def simulate_scan(block_size: int, counts: Sequence[int], warp_size: int = 32) -
         vals, run = [], 0
         for lane in range(warp_size):
             idx = lane + off
-            run += s[idx] if idx < n + 1 else 0
-            vals.append(run + acc)
+            run = _i32(run + (s[idx] if idx < n + 1 else 0))
+            vals.append(_i32(run + acc))
         for lane in range(warp_size):
             idx = lane + off
             if idx < n + 1:
                 s[idx] = vals[lane]
-        acc = vals[-1]  # __shfl_sync(val, WARP_SIZE - 1): includes lanes past this iteration's chunks
+        acc = vals[
+            -1
+        ]  # __shfl_sync(val, WARP_SIZE - 1): includes lanes past this iteration's chunks
         for c in chunks:
             offsets[c] = s[c]
     return offsets, acc
 
 
-def scan_report(block_size: int, *, hot: int = 4096, top_k: int = 2048, hit_rate: float = 0.9) -> Dict:
+def scan_report(
+    block_size: int, *, hot: int = 4096, top_k: int = 2048, hit_rate: float = 0.9
+) -> Dict:
     """Hit / evictable / miss offsets for one long request, at ``block_size``, vs the correct ones."""
     import random
 
@@ -627,16 +679,21 @@ def scan_report(block_size: int, *, hot: int = 4096, top_k: int = 2048, hit_rate
     evict_c = [32 - h for h in hit_c]
     miss_c = [sum(1 for _ in range(32) if rng.random() > hit_rate) for _ in range(nt)]
     out = {"block_size": block_size, "num_warps": block_size // 32}
-    for label, counts, bound in (("hit", hit_c, hot), ("evict", evict_c, hot), ("miss", miss_c, top_k)):
+    for label, counts, bound in (
+        ("hit", hit_c, hot),
+        ("evict", evict_c, hot),
+        ("miss", miss_c, top_k),
+    ):
         offs, total = simulate_scan(block_size, counts)
         want_total = sum(counts)
         out[label] = {
             "total": total,
             "correct_total": want_total,
             "max_offset": max(offs),
+            "min_offset": min(offs),
             "ok": total == want_total,
             # the kernel indexes shared memory with these (s_lru_slots_out[HOT-1-offset] etc.)
-            "out_of_range": total > bound,
+            "out_of_range": not 0 <= min(offs) <= max(offs) <= bound,
         }
     return out
 
@@ -650,14 +707,18 @@ def _sparse_cache_call(args) -> Tuple[List[str], List[Tuple[str, str]]]:
     tmpl = [str(args.block), str(args.top_k), str(args.hot), "true", b(args.dsv4), "1", "false",
             b(args.plan), b(args.skip_io)]  # fmt: skip
     cache = [str(args.item_size)] + tmpl
-    return ["sparse_cache"] + cache, [("load_cache_to_device_buffer", f"load_cache_to_device_buffer<{', '.join(tmpl)}>")]
+    return ["sparse_cache"] + cache, [
+        ("load_cache_to_device_buffer", f"load_cache_to_device_buffer<{', '.join(tmpl)}>")
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract")
     e.add_argument("wheel")

@@ -16,7 +16,7 @@ DOCUMENTED_DEFAULTS = {
     "h2d_programs_per_req": 0,
     "pd_direct_to_host": False,
     "status_log_interval": 1000,
-    "prefetch_next_layer": True,
+    "prefetch_next_layer": False,
     "share_host_pool": True,
 }
 
@@ -36,7 +36,7 @@ def test_values_round_trip():
         "h2d_programs_per_req": 4,
         "pd_direct_to_host": True,
         "status_log_interval": 0,
-        "prefetch_next_layer": False,
+        "prefetch_next_layer": True,
         "share_host_pool": False,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))

@@ -63,7 +63,8 @@ PRESSURE_SPARSE_POOL = RUNNING * (SLOTS + 2 * PAGE) + PRESSURE_CONTEXT
 
 
 def offload(**extra) -> List[str]:
-    config = {"sparse_slots_per_req": SLOTS, **extra}
+    # The cross-layer prefetch is off by default; the suite runs with it (tokens must not change).
+    config = {"sparse_slots_per_req": SLOTS, "prefetch_next_layer": True, **extra}
     return ["--enable-kv-offload", "--kv-offload-config", json.dumps(config)]
 
 

@@ -78,7 +78,9 @@ class NSAOffloadAdapter:
             self._prefetch(req_pool_indices, topk_indices, layer_id + 1)
         return plan.out_indices
 
-    def _plan_and_load(self, req_pool_indices, topk_indices, layer_id: int, workspace):
+    def _plan_and_load(
+        self, req_pool_indices, topk_indices, layer_id: int, workspace, prefetch=False
+    ):
         coord = self.coordinator
         allocator = coord.allocator
         grouped = coord.grouped_loads
@@ -99,7 +101,11 @@ class NSAOffloadAdapter:
             )
         else:
             coord.controller.load_one_layer(
-                layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
+                layer_id,
+                plan.miss_host,
+                plan.miss_dst,
+                num_valid=plan.miss_count,
+                prefetch=prefetch,
             )
         return plan
 
@@ -110,10 +116,10 @@ class NSAOffloadAdapter:
         guess.copy_(topk_indices)  # the indexer's buffer is reused by the next layer
         workspace = self.coordinator.prefetch_workspace
         if self._side_stream is None:  # CPU: in order
-            self._plan_and_load(req_pool_indices, guess, layer_id, workspace)
+            self._plan_and_load(req_pool_indices, guess, layer_id, workspace, prefetch=True)
             return
         self._side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side_stream):
-            self._plan_and_load(req_pool_indices, guess, layer_id, workspace)
+            self._plan_and_load(req_pool_indices, guess, layer_id, workspace, prefetch=True)
             self._prefetch_done.record()
         self._prefetch_in_flight = True

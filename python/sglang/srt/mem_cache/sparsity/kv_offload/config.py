@@ -71,7 +71,7 @@ class KVOffloadConfig:
     h2d_programs_per_req: int = 0
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
-    prefetch_next_layer: bool = True
+    prefetch_next_layer: bool = False
     share_host_pool: bool = True
 
     @classmethod

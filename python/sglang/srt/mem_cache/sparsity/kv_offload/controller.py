@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     default_group_launch_config,
     default_launch_config,
     default_load_launch_config,
+    default_prefetch_launch_config,
 )
 from sglang.srt.utils import get_device_module
 
@@ -105,6 +106,7 @@ class KVOffloadCacheController:
         self.allocator = token_to_kv_pool_allocator
         dev = torch.device(pool.device)
         self.load_config = load_config or default_load_launch_config(dev)
+        self.prefetch_load_config = default_prefetch_launch_config(dev)
         self.backup_config = backup_config or default_launch_config(dev)
         self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug
@@ -125,6 +127,7 @@ class KVOffloadCacheController:
         device_slots: torch.Tensor,
         num_valid: Optional[torch.Tensor] = None,
         group_counts: Optional[torch.Tensor] = None,
+        prefetch: bool = False,
     ) -> None:
         """Copy ``host[host_indices[i]] -> kv_buffer[layer][device_slots[i]]`` on the current stream.
 
@@ -133,7 +136,8 @@ class KVOffloadCacheController:
         ``group_counts`` (one int32 count per request) the lists are per-request rows of equal width
         (the plan's row-packed miss list) and each request's rows are copied by its own programs,
         which keeps their host pages together (faster on the H200 only while the host rows fit
-        the GPU's translation caches, about one 3 GB region). Capture-safe.
+        the GPU's translation caches, about one 3 GB region). ``prefetch``: the cross-layer
+        prefetch's load, beside the compute, with a grid that leaves it SMs. Capture-safe.
         """
         l = layer_id - self._start_layer
         if group_counts is not None:
@@ -155,7 +159,7 @@ class KVOffloadCacheController:
             host_indices,
             device_slots,
             num_valid,
-            self.load_config,
+            self.prefetch_load_config if prefetch else self.load_config,
         )
 
     # ------------------------------------------------------------------ admission from the host

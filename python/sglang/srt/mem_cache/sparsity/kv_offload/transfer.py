@@ -133,6 +133,10 @@ class CopyLaunchConfig:
     word_bytes: Optional[int] = None
 
 
+PREFETCH_PROGRAMS_PER_SM = 4
+"""Programs per SM of the cross-layer prefetch load (``default_prefetch_launch_config``)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -159,6 +163,21 @@ def default_load_launch_config(device: Optional[torch.device] = None) -> CopyLau
     if device is not None and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return CopyLaunchConfig(num_programs=128 * _sm_count(idx), rows_per_program=1, num_warps=4)
+    return default_launch_config(device)
+
+
+def default_prefetch_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
+    """Launch shape of the cross-layer prefetch load, which runs beside the layer's compute.
+
+    The miss load's grid (:func:`default_load_launch_config`) fills every SM until it is done, so
+    the compute it was meant to hide behind waits for it; a few programs per SM leave the SMs to the
+    compute and still keep enough rows in flight to stream from the host.
+    """
+    if device is not None and device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return CopyLaunchConfig(
+            num_programs=PREFETCH_PROGRAMS_PER_SM * _sm_count(idx), rows_per_program=1, num_warps=4
+        )
     return default_launch_config(device)
 
 
