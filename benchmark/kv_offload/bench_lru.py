@@ -98,15 +98,30 @@ def _load_transfer():
         return None
 
 
+HISPARSE_0523_SRC = ROOT / ".gpu" / "sglang-0.5.23"
+
+
 def _load_community() -> Optional[Callable]:
+    """HiSparse's swap-in kernel: SGLang 0.5.23's (``hisparse_0523/loader.py``, built from that
+    release's sources, called with its coordinator's block size 960) when its sources are in
+    ``.gpu/sglang-0.5.23`` (``$HISPARSE_0523_SRC``); otherwise 0.5.10's ``sglang.jit_kernel``."""
+    src = Path(os.environ.get("HISPARSE_0523_SRC", HISPARSE_0523_SRC))
     try:
+        if src.is_dir():
+            sys.path.insert(0, str(Path(__file__).resolve().parent / "hisparse_0523"))
+            from loader import load_swap_in
+
+            fn = load_swap_in(src)
+            fn.version = "0.5.23"  # type: ignore[attr-defined]
+            return fn
         from sglang.jit_kernel.hisparse import load_cache_to_device_buffer_mla
 
         return load_cache_to_device_buffer_mla
     except Exception as e:  # noqa: BLE001
         print(
             f"[skip] community HiSparse kernel not importable ({type(e).__name__}: {e}); "
-            "put the sglang jit_kernel tree and apache-tvm-ffi on PYTHONPATH (needs nvcc)"
+            "carry apache-tvm-ffi (.whl) and the 0.5.23 sources (.gpu/sglang-0.5.23; "
+            "scripts/env/fetch_gpu_wheels.sh) (needs nvcc)"
         )
         return None
 

@@ -20,5 +20,13 @@ if [ ! -f ".gpu/cache/$sdist" ]; then
   fi
   cp "$cache/$sdist" ".gpu/cache/$sdist"
 fi
+# SGLang 0.5.23's HiSparse sources (about 0.8 MB of its cp311-only wheel, sha256-checked by the
+# loader) for the side-by-side benchmarks: benchmark/kv_offload/hisparse_0523/README.md
+if [ ! -f .gpu/sglang-0.5.23/SOURCE ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+    --platform manylinux_2_34_x86_64 -d "${TMPDIR:-/tmp}/sg0523" sglang==0.5.23
+  python3 benchmark/kv_offload/hisparse_0523/loader.py extract \
+    "${TMPDIR:-/tmp}"/sg0523/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl .gpu/sglang-0.5.23
+fi
 ls .whl | wc -l | xargs echo "wheels in .whl:"
 du -sh .whl .gpu | tr '\n' ' '; echo
