@@ -41,7 +41,11 @@ DEFAULT_VENV = ROOT / ".venv"
 CACHE = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cache" / "kv-offload"))
 
 UV_VERSION = "0.13.9"
-TORCH_VERSION = "2.13.0"  # the CPU wheel on this machine kind's disk
+# torch and torchvision as this machine kind's disk holds them (pip finds them there; uv would
+# download), the only pair whose torchvision loads (upstream's sglang.srt.utils imports it): CUDA
+# builds, which run on the CPU. 2.14.1 is also SGLang 0.5.23's torch pin.
+TORCH_VERSION = "2.14.1"
+TORCHVISION_VERSION = "0.29.1"
 TRITON_VERSION = "3.8.0"
 GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
 PATCH_TRAILER = "Patch-File:"
@@ -337,18 +341,6 @@ def uv_binary() -> Path:
     return uv
 
 
-def torch_wheel() -> Path:
-    wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl")) if wheels.exists() else []
-    if not found:
-        # pip resolves torch==2.13.0 to the CPU wheel on this machine kind's disk; uv would fetch CUDA.
-        pip_download(wheels, f"torch=={TORCH_VERSION}")
-        found = sorted(wheels.glob(f"torch-{TORCH_VERSION}*.whl"))
-    if not found:
-        raise TreeError(f"could not obtain a torch {TORCH_VERSION} wheel")
-    return found[0]
-
-
 def uv_env() -> Dict[str, str]:
     env = dict(os.environ)
     env.update(UV_CACHE_DIR=str(CACHE / "uv-cache"), UV_NO_PROGRESS="1")
@@ -359,9 +351,13 @@ def ensure_venv(venv: Path) -> None:
     reqs = ENV_DIR / "requirements-cpu.txt"
     cons = ENV_DIR / "constraints-cpu.txt"
     uv = uv_binary()
-    wheel = torch_wheel()
+    pinned = [
+        f"torch=={TORCH_VERSION}",
+        f"torchvision=={TORCHVISION_VERSION}",
+        f"triton=={TRITON_VERSION}",
+    ]
     stamp_value = hashlib.sha256(
-        reqs.read_bytes() + cons.read_bytes() + f"{wheel.name} {TRITON_VERSION}".encode()
+        reqs.read_bytes() + cons.read_bytes() + " ".join(pinned).encode()
     ).hexdigest()[:16]
     stamp = venv / ".kv-offload-stamp"
     if stamp.exists() and stamp.read_text().strip() == stamp_value:
@@ -372,23 +368,11 @@ def ensure_venv(venv: Path) -> None:
         shutil.rmtree(venv)
     env = uv_env()
     run([uv, "venv", "-q", "-p", "python3.11", venv], env=env)
-    run(
-        [
-            uv,
-            "pip",
-            "install",
-            "-q",
-            "-p",
-            venv,
-            wheel,
-            f"triton=={TRITON_VERSION}",
-            "-r",
-            reqs,
-            "-c",
-            cons,
-        ],
-        env=env,
-    )
+    # The system pip installs torch from this machine's disk (its config points there); uv then
+    # adds the rest and keeps that torch (the constraints pin the same versions).
+    python = venv / "bin" / "python"
+    run([sys.executable, "-m", "pip", "--python", python, "install", "-q", *pinned])
+    run([uv, "pip", "install", "-q", "-p", venv, "-r", reqs, "-c", cons], env=env)
     stamp.write_text(stamp_value + "\n")
     fetch_debian_libs(venv)
 

@@ -789,7 +789,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "transfer": f"{PKG}.transfer.copy_rows" if bench.transfer else "built-in fallback gather",
         "community": bool(bench.community),
-        "community_version": getattr(bench.community, "version", "0.5.10") if bench.community else None,
+        "community_version": (
+            getattr(bench.community, "version", "0.5.10") if bench.community else None
+        ),
     }
     print(json.dumps(env))
 

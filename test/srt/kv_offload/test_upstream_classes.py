@@ -71,7 +71,8 @@ def test_hisparse_split_allocator_and_req_to_token():
     assert req_to_token.available_size() == free_before
 
 
-def test_host_pool_and_cache_controller():
+def test_host_pool_and_cache_controller(monkeypatch):
+    from sglang.srt.managers import cache_controller
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost
@@ -85,6 +86,9 @@ def test_host_pool_and_cache_controller():
     allocator = PagedTokenToKVPoolAllocator(
         4 * PAGE, PAGE, torch.bfloat16, "cpu", device_pool, False
     )
+    # Upstream picks its device module at import (torch.get_device_module()): CUDA for a CUDA
+    # build of torch even on a machine without a GPU. This pool lives on the CPU.
+    monkeypatch.setattr(cache_controller, "device_module", torch.get_device_module("cpu"))
     controller = HiCacheController(
         allocator,
         host,

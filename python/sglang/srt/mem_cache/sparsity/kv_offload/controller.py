@@ -35,10 +35,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     default_load_launch_config,
     default_prefetch_launch_config,
 )
-from sglang.srt.utils import get_device_module
 
 logger = logging.getLogger(__name__)
-device_module = get_device_module()
 
 _DEBUG = os.environ.get("SGLANG_KV_OFFLOAD_DEBUG", "0").lower() in ("1", "true")
 
@@ -92,7 +90,10 @@ class KVOffloadCacheController:
         self.page_size = mem_pool_host.page_size
         self.tp_group = tp_group
         self.device = pool.device
-        self.write_stream = device_module.Stream()
+        # The pool's device decides (a CUDA build of torch on a CPU-only machine reports CUDA as
+        # its accelerator even though none is present).
+        self.device_module = torch.get_device_module(torch.device(pool.device))
+        self.write_stream = self.device_module.Stream()
         if pool.row_bytes != mem_pool_host.row_bytes:
             raise ValueError(
                 f"device KV rows are {pool.row_bytes} B but host rows {mem_pool_host.row_bytes} B; "
@@ -183,7 +184,7 @@ class KVOffloadCacheController:
         The free is deferred to ``poll`` (a cancelled handle), never immediate: a slot freed now
         could become a PD transfer destination before the current stream's load has run.
         """
-        event = device_module.Event()
+        event = self.device_module.Event()
         event.record()
         host_cpu = host_slots.to("cpu", torch.int64)
         self.inflight.append(
@@ -249,11 +250,11 @@ class KVOffloadCacheController:
             host_all = host_all.pin_memory()  # a pageable source would make the copy synchronous
         host_dev = host_all.to(self.device, non_blocking=True)
 
-        start_event = device_module.Event()
-        finish_event = device_module.Event()
+        start_event = self.device_module.Event()
+        finish_event = self.device_module.Event()
         # The forward that wrote these rows runs on the current stream; order the copy after it.
         start_event.record()
-        with device_module.stream(self.write_stream):
+        with self.device_module.stream(self.write_stream):
             start_event.wait(self.write_stream)
             if self.mem_pool_host.writes_backups:
                 copy_rows_all_layers(
