@@ -13,7 +13,10 @@ host (admitted as a PD direct-to-host decode server admits them), and replays a 
 * ``offload``: the same with kv offload's swap-in before the attention read (the adapter's launches:
   plan and load, exactly as ``NativeSparseAttnBackend.forward_decode`` calls it);
 * ``offload+prefetch``: the same with ``prefetch_next_layer`` (each layer's top-k planned and loaded
-  for the next layer on a side stream, forked and joined inside the graph).
+  for the next layer on a side stream, forked and joined inside the graph);
+* ``hisparse-0.5.23``: SGLang 0.5.23's HiSparse swap-in in place of ours, on the same host rows
+  (``hisparse_0523/loader.py``; needs ``.gpu/sglang-0.5.23`` and apache-tvm-ffi, staged by
+  ``scripts/env/fetch_gpu_wheels.sh``; skipped when absent).
 
 Top-k comes from ``traces.py`` (realistic: sinks, window, drifting relevance, per-layer churn,
 adjacent layers sharing most of their selection). The exposed time per layer is
@@ -23,9 +26,8 @@ starts from the same cold sparse state and replays the same steps (warm-up steps
     source scripts/gpu_env.sh
     python3 benchmark/kv_offload/bench_exposed.py --out results/bench_exposed-h200.json
 
-HiSparse 0.5.23's kernel is not in this run: it needs that release's sources (the rebase issue) and
-its JIT kernel imports ``tvm_ffi``, which the lent GPU image lacks. ``--device cpu`` runs the same
-code eagerly under the Triton interpreter (tiny sizes; a smoke test, no timing claims).
+``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
+no timing claims).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import traces as realistic  # noqa: E402
 from bench_common import prepare_environment  # noqa: E402
 from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 7168
 EXPERT_BYTES = 3 * HIDDEN * 2048  # gate, up, down of one routed expert, fp8
 ATTN_PROJ_BYTES = (  # one rank of TP8, fp8: q_a, q_b (16 heads x 192), kv_a, o_proj (16 x 128)
@@ -80,6 +83,80 @@ class LayerCompute:
         torch.index_select(kv_rows, 0, rows.reshape(-1).clamp_min(0), out=self.read)
         torch.matmul(self.x, self.w_attn, out=self.y_attn)
         torch.matmul(self.x, self.w_moe, out=self.y_moe)
+
+
+class HiSparseLayers:
+    """SGLang 0.5.23's HiSparse swap-in per layer, on the same host rows, called as its coordinator
+    calls it (``hisparse_0523/loader.py``: its kernel built from that release, block size 960).
+
+    Its state per layer: the hot buffer's token table, device rows and LRU (``hot`` slots plus one
+    page for the newest tokens), and the request's position -> host slot table, which here is the
+    kv offload host pool's (``loc_to_host`` through ``req_to_token``) so both read the same rows.
+    """
+
+    def __init__(self, point: "Point", swap_in, slots: int, topk: int):
+        bs, ctx, dev = point.bs, point.ctx, point.device
+        self.point, self.swap_in, self.slots, self.topk = point, swap_in, slots, topk
+        locs = point.r2t.req_to_token[:bs, :ctx].long()
+        self.host_locs = point.alloc.loc_to_host[locs].contiguous()
+        width = slots + PAGE
+        rows = bs * width + PAGE
+        self.device_rows = [
+            torch.zeros((rows, 1, FP8_ROW_BYTES), dtype=torch.uint8, device=dev)
+            for _ in range(point.layers)
+        ]
+        base = (torch.arange(bs * width, dtype=torch.int32, device=dev) + PAGE).view(bs, width)
+        self.buffer_locs = [base.clone() for _ in range(point.layers)]
+        self.tokens = [torch.full_like(base, -1) for _ in range(point.layers)]
+        self.lru = [
+            torch.arange(slots, dtype=torch.int16, device=dev).repeat(bs, 1).contiguous()
+            for _ in range(point.layers)
+        ]
+        self.cold = [t.clone() for t in self.tokens + self.lru]
+        self.rpi = torch.arange(bs, dtype=torch.int64, device=dev)
+        self.seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        self.num_real = torch.tensor([bs], dtype=torch.int32, device=dev)
+        self.out = torch.full((bs, topk), -1, dtype=torch.int32, device=dev)
+
+    def reset(self) -> None:
+        for t, c in zip(self.tokens + self.lru, self.cold):
+            t.copy_(c)
+
+    def __call__(self, topk: torch.Tensor, layer: int) -> torch.Tensor:
+        host = self.point.host.host_row_view(layer).view(-1, 1, FP8_ROW_BYTES)
+        self.swap_in(
+            top_k_tokens=topk,
+            device_buffer_tokens=self.tokens[layer],
+            host_cache_locs=self.host_locs,
+            device_buffer_locs=self.buffer_locs[layer],
+            host_cache=host,
+            device_buffer=self.device_rows[layer],
+            top_k_device_locs=self.out,
+            req_pool_indices=self.rpi,
+            seq_lens=self.seq,
+            lru_slots=self.lru[layer],
+            item_size_bytes=FP8_ROW_BYTES,
+            num_top_k=self.topk,
+            hot_buffer_size=self.slots,
+            page_size=1,
+            num_real_reqs=self.num_real,
+        )
+        return self.out
+
+
+def load_hisparse(src: str):
+    """0.5.23's swap-in (block size 960), or None with the reason printed."""
+    if not Path(src).is_dir():
+        print(f"[skip] HiSparse 0.5.23: no sources at {src} (scripts/env/fetch_gpu_wheels.sh)")
+        return None
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "hisparse_0523"))
+        from loader import load_swap_in
+
+        return load_swap_in(src)
+    except Exception as e:  # noqa: BLE001
+        print(f"[skip] HiSparse 0.5.23 not loadable ({type(e).__name__}: {e})")
+        return None
 
 
 class Point:
@@ -185,7 +262,7 @@ class Point:
         return main + pre
 
 
-def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
+def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> Dict:
     point = Point(a, bs, ctx, device)
     steps = a.warm + a.steps
     cfg = realistic.TraceConfig(
@@ -208,11 +285,19 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
     static_rows = torch.arange(bs * a.topk, device=device).remainder(point.pool.physical_size - 1)
     static_rows = (static_rows + 1).view(bs, a.topk).to(torch.int32)
 
+    hisparse = None
+    if hisparse_fn is not None:
+        hisparse = HiSparseLayers(point, hisparse_fn, a.slots, a.topk)
+
     def step(variant: str) -> None:
         for layer in range(a.layers):
             kv_rows = point.pool.device_row_view(layer)
             if variant == "compute":
                 compute(kv_rows, static_rows)
+                continue
+            if variant == "hisparse-0.5.23":
+                rows = hisparse(topk[layer], layer)
+                compute(hisparse.device_rows[layer].view(-1, FP8_ROW_BYTES), rows)
                 continue
             adapter = point.adapters[variant.startswith("offload+prefetch")]
             rows = adapter.swap_in_selected_pages(rpi, seq, topk[layer], layer)
@@ -233,8 +318,11 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
-    for variant in ("compute", "offload", "offload+prefetch", *sweep):
+    theirs = ["hisparse-0.5.23"] if hisparse is not None else []
+    for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs):
         point.reset()
+        if hisparse is not None:
+            hisparse.reset()
         controller.prefetch_load_config = default_prefetch
         if "@" in variant and device.type == "cuda":
             per_sm = int(variant.split("@")[1])
@@ -258,6 +346,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
                 step(variant)
             torch.cuda.synchronize()
             point.reset()
+            if hisparse is not None:
+                hisparse.reset()
         prefetch = variant.startswith("offload+prefetch")
         before = None
         for t in range(steps):
@@ -283,7 +373,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
         delta = [x - y for x, y in zip(after, before)]
         ms = statistics.median(times)
         entry = dict(step_ms=ms, ms_per_layer=ms / a.layers)
-        if variant != "compute":
+        if variant.startswith("offload"):
             selected, hits, tail, loaded, _, _, _, pre_loaded = delta
             flags = int(point.adapters[prefetch].coordinator.workspace.error_flags[0])
             assert flags == 0, f"plan error flags {flags} in {variant}"
@@ -296,8 +386,11 @@ def run_point(a, bs: int, ctx: int, device: torch.device) -> Dict:
             )
         out[variant] = entry
     base = out["compute"]["ms_per_layer"]
-    for variant in ("offload", "offload+prefetch", *sweep):
+    for variant in ("offload", "offload+prefetch", *sweep, *theirs):
         out[variant]["exposed_ms_per_layer"] = out[variant]["ms_per_layer"] - base
+    if hisparse is not None:
+        ours, hs = out["offload"]["exposed_ms_per_layer"], out["hisparse-0.5.23"]
+        hs["exposed_vs_ours"] = hs["exposed_ms_per_layer"] / max(ours, 1e-9)
     out["prefetch_programs"] = default_prefetch.num_programs
     del point
     torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -325,17 +418,23 @@ def main() -> None:
     )
     p.add_argument("--compute-scale", type=float, default=1.0, help="scale the compute stand-in")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hisparse-src",
+        default=os.environ.get("HISPARSE_0523_SRC", str(ROOT / ".gpu" / "sglang-0.5.23")),
+        help="SGLang 0.5.23 sources for its HiSparse kernel (skipped when absent)",
+    )
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_exposed.json"))
     a = p.parse_args()
     prepare_environment(a.device)
     device = torch.device(a.device)
+    hisparse_fn = load_hisparse(a.hisparse_src) if device.type == "cuda" else None
     rows = []
     for ctx in (int(x) for x in a.ctx.split(",")):
         for bs in (int(x) for x in a.bs.split(",")):
             if bs * ctx > a.max_tokens:
                 print(f"[skip] bs {bs} x ctx {ctx} > --max-tokens {a.max_tokens}", flush=True)
                 continue
-            r = run_point(a, bs, ctx, device)
+            r = run_point(a, bs, ctx, device, hisparse_fn)
             rows.append(r)
             c, o, f = r["compute"], r["offload"], r["offload+prefetch"]
             print(
@@ -349,6 +448,11 @@ def main() -> None:
                     f"; {k.split('+')[1]} {v['exposed_ms_per_layer']:.3f}"
                     for k, v in r.items()
                     if k.startswith("offload+prefetch@")
+                )
+                + (
+                    f"; HiSparse 0.5.23 {r['hisparse-0.5.23']['exposed_ms_per_layer']:.3f}"
+                    if "hisparse-0.5.23" in r
+                    else ""
                 ),
                 flush=True,
             )
