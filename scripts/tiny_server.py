@@ -139,6 +139,10 @@ def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None
         # Upstream wraps the MoE top-k and the indexer head gates in torch.compile; on 2 CPU cores
         # Inductor's C++ build makes the first forward take a minute. Run them eagerly.
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        # A CUDA build of torch ships libnccl, and upstream then builds an NCCL communicator for
+        # a TP group even on the CPU (and fails: "Expected a cuda device"). A CPU torch has none,
+        # which upstream handles by using the gloo group alone; give it the same here.
+        env.setdefault("SGLANG_NCCL_SO_PATH", "libnccl-absent-on-a-cpu-server.so")
     return env
 
 

@@ -26,8 +26,11 @@ S5    ``sgl_kernel.fast_topk_v2``,                            :func:`fast_topk_v
       ``fast_topk_transform_ragged_fused``                    masking and output layout
 S6    ``sgl_kernel.flash_mla.flash_mla_sparse_fwd``           :func:`flash_mla_sparse_fwd`, sparse MLA
                                                              attention over the selected rows
-S7    ``--load-format dummy``'s uniform +-1e-3 weights         seeded per-parameter init at a scale where
-                                                             the output depends on the context
+S7    ``--load-format dummy``'s uniform +-1e-3 weights         seeded init at a scale where the output
+                                                             depends on the context, drawn in the
+                                                             checkpoint layout and sharded by the
+                                                             model's ``load_weights`` (same weights
+                                                             at every TP size)
 S8    ``Indexer._should_chunk_mqa_logits`` (reads             never chunk (tiny shapes)
       ``torch.cuda.mem_get_info``)
 S9    ``jit_kernel.fused_store_index_cache`` (JIT, CUDA)      upstream's own fallback (act_quant +
@@ -309,21 +312,83 @@ def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
 # S7: dummy weights whose output depends on the context
 # ------------------------------------------------------------------------------------------------
 def initialize_dummy_weights(model: torch.nn.Module, *args, seed: int = 1234, **kwargs) -> None:
-    """Seeded per-parameter init (seed from the name): matrices ``N(0, 1/fan_in)``, norm weights
-    ``1``, biases ``0``. Upstream's uniform +-1e-3 makes every context give the same token."""
+    """Seeded init at a scale where the output depends on the context (upstream's uniform +-1e-3
+    makes every context give the same token): matrices ``N(0, 1/fan_in)``, norm weights ``1``,
+    biases ``0``.
+
+    The values are drawn per tensor of the checkpoint layout (HF names, full shapes) and loaded
+    through the model's own ``load_weights``, which shards them: every TP size runs the same
+    weights. Parameters the checkpoint layout does not cover keep a per-parameter draw."""
     for name, param in model.state_dict().items():
-        if not torch.is_floating_point(param):
+        if torch.is_floating_point(param):
+            param.data.copy_(_seeded(f"{seed}:{name}", name, param.shape).to(param.dtype))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(model, "load_weights") and _is_tiny_deepseek(config):
+        model.load_weights(
+            (name, _seeded(f"{seed}:{name}", name, shape))
+            for name, shape in _deepseek_checkpoint_shapes(config)
+        )
+
+
+def _seeded(key: str, name: str, shape) -> torch.Tensor:
+    digest = hashlib.sha256(key.encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    if len(shape) >= 2:
+        return torch.randn(tuple(shape), generator=gen) / math.sqrt(shape[-1])
+    if "norm" in name and not name.endswith("bias"):
+        return torch.ones(tuple(shape))
+    return torch.zeros(tuple(shape))
+
+
+def _is_tiny_deepseek(config) -> bool:
+    return getattr(config, "model_type", "") in ("deepseek_v3", "deepseek_v32")
+
+
+def _deepseek_checkpoint_shapes(config):
+    """(HF name, full shape) of every tensor of a DeepSeek-V3(.2) checkpoint with ``config``."""
+    h, v = config.hidden_size, config.vocab_size
+    heads, q_rank, kv_rank = config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank
+    nope, rope, vdim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    yield "model.embed_tokens.weight", (v, h)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        a = p + "self_attn."
+        yield a + "q_a_proj.weight", (q_rank, h)
+        yield a + "q_a_layernorm.weight", (q_rank,)
+        yield a + "q_b_proj.weight", (heads * (nope + rope), q_rank)
+        yield a + "kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
+        yield a + "kv_a_layernorm.weight", (kv_rank,)
+        yield a + "kv_b_proj.weight", (heads * (nope + vdim), kv_rank)
+        yield a + "o_proj.weight", (h, heads * vdim)
+        if hasattr(config, "index_topk"):
+            idx_heads, idx_dim = config.index_n_heads, config.index_head_dim
+            yield a + "indexer.wq_b.weight", (idx_heads * idx_dim, q_rank)
+            yield a + "indexer.wk.weight", (idx_dim, h)
+            yield a + "indexer.k_norm.weight", (idx_dim,)
+            yield a + "indexer.k_norm.bias", (idx_dim,)
+            yield a + "indexer.weights_proj.weight", (idx_heads, h)
+        m = p + "mlp."
+        if i < config.first_k_dense_replace:
+            inter = config.intermediate_size
+            yield m + "gate_proj.weight", (inter, h)
+            yield m + "up_proj.weight", (inter, h)
+            yield m + "down_proj.weight", (h, inter)
             continue
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        if param.dim() >= 2:
-            std = 1.0 / math.sqrt(param.shape[-1])
-            values = torch.randn(param.shape, generator=gen) * std
-        elif "norm" in name:
-            values = torch.ones(param.shape)
-        else:
-            values = torch.zeros(param.shape)
-        param.data.copy_(values.to(param.dtype))
+        inter = config.moe_intermediate_size
+        yield m + "gate.weight", (config.n_routed_experts, h)
+        yield m + "gate.e_score_correction_bias", (config.n_routed_experts,)
+        for e in range(config.n_routed_experts):
+            yield m + f"experts.{e}.gate_proj.weight", (inter, h)
+            yield m + f"experts.{e}.up_proj.weight", (inter, h)
+            yield m + f"experts.{e}.down_proj.weight", (h, inter)
+        shared = inter * config.n_shared_experts
+        yield m + "shared_experts.gate_proj.weight", (shared, h)
+        yield m + "shared_experts.up_proj.weight", (shared, h)
+        yield m + "shared_experts.down_proj.weight", (h, shared)
 
 
 # ------------------------------------------------------------------------------------------------
