@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
+    PlanResult,
+    PlanWorkspace,
+    plan_layer,
+)
 
 
 class NSAOffloadAdapter:
@@ -79,8 +83,13 @@ class NSAOffloadAdapter:
         return plan.out_indices
 
     def _plan_and_load(
-        self, req_pool_indices, topk_indices, layer_id: int, workspace, prefetch=False
-    ):
+        self,
+        req_pool_indices: torch.Tensor,
+        topk_indices: torch.Tensor,
+        layer_id: int,
+        workspace: PlanWorkspace,
+        prefetch: bool = False,
+    ) -> PlanResult:
         coord = self.coordinator
         allocator = coord.allocator
         grouped = coord.grouped_loads
@@ -109,7 +118,9 @@ class NSAOffloadAdapter:
             )
         return plan
 
-    def _prefetch(self, req_pool_indices, topk_indices, layer_id: int) -> None:
+    def _prefetch(
+        self, req_pool_indices: torch.Tensor, topk_indices: torch.Tensor, layer_id: int
+    ) -> None:
         """Plan and load ``topk_indices`` (the previous layer's top-k) for ``layer_id``."""
         bs = topk_indices.shape[0]
         guess = self._prefetch_topk[:bs]
