@@ -380,14 +380,15 @@ class KVOffloadCoordinator:
 
     def _launch_device_report(self) -> None:
         """Copy the plan counters and error flags to the host behind the coming forward."""
-        prefetch = self.prefetch_workspace
+        # Layout: main stats, prefetch stats (zero without prefetch), the OR of the error flags.
+        n = len(STAT_NAMES)
+        report, prefetch = self._device_report, self.prefetch_workspace
+        report[:n].copy_(self.workspace.stats, non_blocking=True)
         flags = self.workspace.error_flags
-        if prefetch is None:
-            prefetch_stats = torch.zeros_like(self.workspace.stats)
-        else:
-            prefetch_stats, flags = prefetch.stats, flags | prefetch.error_flags
-        report = torch.cat([self.workspace.stats, prefetch_stats, flags.to(torch.int64)])
-        self._device_report.copy_(report, non_blocking=True)
+        if prefetch is not None:
+            report[n : 2 * n].copy_(prefetch.stats, non_blocking=True)
+            flags = flags | prefetch.error_flags
+        report[2 * n :].copy_(flags, non_blocking=True)
         if self.device.type == "cuda":
             self._device_report_event = torch.cuda.Event()
             self._device_report_event.record()

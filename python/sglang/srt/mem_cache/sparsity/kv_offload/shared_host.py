@@ -75,13 +75,11 @@ class NodeSharedHostAllocator(HostTensorAllocator):
         error = self._create(nbytes) if self.is_writer else None
         try:
             self._agree(error, "create")
+            buffer, error = None, None
             try:
-                buffer, error = (
-                    torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8),
-                    None,
-                )
+                buffer = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
             except RuntimeError as exc:
-                buffer, error = None, str(exc)
+                error = str(exc)
             self._agree(error, "map")
         finally:
             if self.is_writer:

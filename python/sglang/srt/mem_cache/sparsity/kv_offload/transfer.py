@@ -167,11 +167,12 @@ def default_load_launch_config(device: Optional[torch.device] = None) -> CopyLau
 
 
 def default_prefetch_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
-    """Launch shape of the cross-layer prefetch load, which runs beside the layer's compute.
+    """Launch shape of the cross-layer prefetch load, which is meant to run beside the compute.
 
-    The miss load's grid (:func:`default_load_launch_config`) fills every SM until it is done, so
-    the compute it was meant to hide behind waits for it; a few programs per SM leave the SMs to the
-    compute and still keep enough rows in flight to stream from the host.
+    A few programs per SM instead of the miss load's grid (:func:`default_load_launch_config`),
+    which fills every SM until it is done. On the H200 the grid made no measurable difference:
+    from 1 to 128 programs per SM the prefetch still waited for the GEMMs
+    (``benchmark/kv_offload/bench_exposed.py --prefetch-programs-per-sm``).
     """
     if device is not None and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
