@@ -41,12 +41,11 @@ DEFAULT_VENV = ROOT / ".venv"
 CACHE = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cache" / "kv-offload"))
 
 UV_VERSION = "0.13.9"
-# torch and torchvision as this machine kind's disk holds them (pip finds them there; uv would
-# download), the only pair whose torchvision loads (upstream's sglang.srt.utils imports it): CUDA
-# builds, which run on the CPU. 2.14.1 is also SGLang 0.5.23's torch pin.
-TORCH_VERSION = "2.14.1"
-TORCHVISION_VERSION = "0.29.1"
-TRITON_VERSION = "3.8.0"
+# Installed by the system pip, which finds them on this machine kind's disk (uv would download):
+# torch and torchvision, the only pair there whose torchvision loads (upstream's sglang.srt.utils
+# imports it; CUDA builds, which run on the CPU), and triton. Their versions are the pins of
+# scripts/env/constraints-cpu.txt.
+SYSTEM_PIP_PACKAGES = ("torch", "torchvision", "triton")
 GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
 PATCH_TRAILER = "Patch-File:"
 # Files the editable install writes into the tree (kept out of the base commit and of git status).
@@ -347,15 +346,24 @@ def uv_env() -> Dict[str, str]:
     return env
 
 
+def constraint_pins(constraints: Path, names: Sequence[str]) -> List[str]:
+    """The ``name==version`` lines of ``constraints`` for ``names``, in that order."""
+    pins = {}
+    for line in constraints.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            pins[line.split("==", 1)[0].strip().lower()] = line
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise TreeError(f"{constraints} pins no version for {', '.join(missing)}; add name==version")
+    return [pins[n] for n in names]
+
+
 def ensure_venv(venv: Path) -> None:
     reqs = ENV_DIR / "requirements-cpu.txt"
     cons = ENV_DIR / "constraints-cpu.txt"
     uv = uv_binary()
-    pinned = [
-        f"torch=={TORCH_VERSION}",
-        f"torchvision=={TORCHVISION_VERSION}",
-        f"triton=={TRITON_VERSION}",
-    ]
+    pinned = constraint_pins(cons, SYSTEM_PIP_PACKAGES)
     stamp_value = hashlib.sha256(
         reqs.read_bytes() + cons.read_bytes() + " ".join(pinned).encode()
     ).hexdigest()[:16]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -32,10 +33,37 @@ REQUEST_TIMEOUT_S = 600
 IDLE_TIMEOUT_S = 60
 
 
+def _ephemeral_port_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports this test process has handed out: never handed out twice.
+_HANDED_OUT: set = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below the kernel's ephemeral range, not handed out before by this process.
+
+    Upstream picks its own ports (e.g. the NCCL/dist port when ``--nccl-port`` is not given) by
+    binding port 0, which takes them from the ephemeral range: servers started side by side could
+    be handed the same one (seen once in CI: ``EADDRINUSE`` on the dist port). Ports from below that
+    range never collide with those, and ours never collide with each other.
+    """
+    stop = _ephemeral_port_start()
+    for port in random.Random().sample(range(max(1024, stop - 12000), stop), 2000):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port found below {stop}")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, describe) -> None:
@@ -93,7 +121,9 @@ class TinyServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.log_path = log_path
-        cmd, server_env = tiny_server.build_command(self.args + ["--port", str(self.port)])
+        # The dist (NCCL/gloo) port too: upstream would take it from the ephemeral range.
+        ports = ["--port", str(self.port), "--nccl-port", str(free_port())]
+        cmd, server_env = tiny_server.build_command(self.args + ports)
         # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
         server_env.setdefault("OMP_NUM_THREADS", "1")
         # Upstream leaves temporary files behind (ZMQ socket names, a config copy per process):

@@ -194,3 +194,16 @@ def test_build_refresh_round_trip(tool, tmp_path):
         "# new topic"
         in (fresh / "sglang/python/sglang/srt/mem_cache/sparsity/__init__.py").read_text()
     )
+
+
+def test_system_pip_pins_come_from_the_constraints_file(tool, tmp_path):
+    cons = tmp_path / "constraints.txt"
+    cons.write_text("# comment\ntriton==9.9.9\ntorch==1.2.3  # why\ntorchvision==0.1.0\nfoo==1\n")
+    assert tool.constraint_pins(cons, ("torch", "torchvision", "triton")) == [
+        "torch==1.2.3",
+        "torchvision==0.1.0",
+        "triton==9.9.9",
+    ]
+    cons.write_text("torch==1.2.3\n")
+    with pytest.raises(tool.TreeError, match="pins no version for torchvision, triton"):
+        tool.constraint_pins(cons, ("torch", "torchvision", "triton"))
