@@ -5,9 +5,9 @@ The project keeps three things: the pinned upstream base (``patches/base``), new
 upstream repo (the overlay under ``python/``), and an ordered series of small diffs to existing upstream
 files (``patches/series``). This tool turns them into a patched SGLang tree and back:
 
-* ``build``   fetch the pinned sdist (sha256-checked), unpack it into ``build/sglang/python`` as a pristine
-              git base, apply the series (one commit per patch), link the overlay in and install the tree
-              editable into the project venv (``.venv``), creating the venv when needed. Idempotent.
+* ``build``   fetch the pinned wheel (sha256-checked), unpack its sources into ``build/sglang/python`` as
+              a pristine git base, apply the series (one commit per patch), link the overlay in and put
+              the tree on the project venv's path (``.venv``), creating the venv when needed. Idempotent.
 * ``refresh`` regenerate ``patches/`` from the build tree: uncommitted edits go into the patch named by
               ``--into`` or into a new one (``--new``); every patch is rewritten from its commit.
 * ``check``   prove that the series applies to a pristine base and that the overlay shadows no upstream
@@ -26,9 +26,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -48,8 +48,6 @@ UV_VERSION = "0.13.9"
 SYSTEM_PIP_PACKAGES = ("torch", "torchvision", "triton")
 GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
 PATCH_TRAILER = "Patch-File:"
-# Files the editable install writes into the tree (kept out of the base commit and of git status).
-INSTALL_ARTIFACTS = ["/python/sglang.egg-info/"]
 
 
 class TreeError(RuntimeError):
@@ -88,9 +86,11 @@ def sha256_file(path: Path) -> str:
 
 @dataclasses.dataclass
 class Base:
+    """The pinned upstream release: its wheel (the release ships no sdist) and that file's sha256."""
+
     name: str
     version: str
-    sdist: str
+    wheel: str
     sha256: str
 
 
@@ -264,10 +264,10 @@ def base_paths_of(tree: Path) -> set:
 def link_overlay(tree: Path) -> List[Path]:
     links = overlay_links(base_paths_of(tree))
     exclude = tree / ".git" / "info" / "exclude"
-    lines = [f"/python/{rel}" for rel in links] + INSTALL_ARTIFACTS
+    lines = [f"/python/{rel}" for rel in links]
     exclude.parent.mkdir(parents=True, exist_ok=True)
     exclude.write_text(
-        "# kv_offload overlay links and install artifacts\n" + "\n".join(lines) + "\n"
+        "# kv_offload overlay links\n" + "\n".join(lines) + "\n"
     )
     for rel in links:
         dst = tree / "python" / rel
@@ -300,24 +300,33 @@ def pip_download(dest, requirement: str, *extra: str) -> None:
     )
 
 
-def fetch_sdist(base: Base) -> Path:
+def fetch_wheel(base: Base) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
-    tgz = CACHE / base.sdist
-    if tgz.exists() and sha256_file(tgz) == base.sha256:
-        return tgz
-    log(f"fetching {base.name}=={base.version} sdist")
+    whl = CACHE / base.wheel
+    if whl.exists() and sha256_file(whl) == base.sha256:
+        return whl
+    log(f"fetching {base.name}=={base.version} wheel")
+    # The wheel's tags, whatever Python runs this tool (the GPU image has 3.12; it reads the cache).
+    _, _, python_tag, abi_tag, platform_tag = Path(base.wheel).stem.split("-")
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        pip_download(tmp, f"{base.name}=={base.version}", "--no-binary", ":all:")
-        got = Path(tmp) / base.sdist
+        pip_download(
+            tmp,
+            f"{base.name}=={base.version}",
+            "--only-binary=:all:",
+            f"--python-version={python_tag[2:]}",
+            f"--abi={abi_tag}",
+            f"--platform={platform_tag}",
+        )
+        got = Path(tmp) / base.wheel
         if not got.exists():
-            raise TreeError(f"pip did not produce {base.sdist} in {tmp}")
+            raise TreeError(f"pip did not produce {base.wheel} in {tmp}")
         digest = sha256_file(got)
         if digest != base.sha256:
             raise TreeError(
-                f"sha256 mismatch for {base.sdist}: got {digest}, patches/base pins {base.sha256}"
+                f"sha256 mismatch for {base.wheel}: got {digest}, patches/base pins {base.sha256}"
             )
-        shutil.move(str(got), tgz)
-    return tgz
+        shutil.move(str(got), whl)
+    return whl
 
 
 def uv_binary() -> Path:
@@ -403,16 +412,26 @@ def fetch_debian_libs(venv: Path) -> None:
 
 
 def install_tree(venv: Path, tree: Path, base: Base) -> None:
-    stamp = venv / ".kv-offload-sglang"
-    target = str((tree / "python").resolve())
-    if stamp.exists() and stamp.read_text().strip() == target:
+    """Put the patched tree on the venv's path (a ``.pth`` file) with the wheel's metadata.
+
+    A wheel cannot be installed editable; the ``.pth`` makes ``import sglang`` read the tree, and the
+    dist-info (without RECORD, so no installer takes the tree's files for its own) answers
+    ``importlib.metadata`` queries for sglang's version and entry points.
+    """
+    target = (tree / "python").resolve()
+    site = Path(
+        run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+        .stdout.strip()
+    )
+    pth = site / "kv_offload_sglang_tree.pth"
+    if pth.exists() and pth.read_text().strip() == str(target):
         return
-    log("installing the patched tree (editable, --no-deps)")
-    # setuptools-scm would take the version from the build tree's own git history (0.0.0.devN) and
-    # rewrite sglang/_version.py; pin the base's version instead.
-    env = dict(uv_env(), SETUPTOOLS_SCM_PRETEND_VERSION=base.version)
-    run([uv_binary(), "pip", "install", "-q", "-p", venv, "--no-deps", "-e", target], env=env)
-    stamp.write_text(target + "\n")
+    log("putting the patched tree on the venv's path")
+    dist_info = f"{base.name}-{base.version}.dist-info"
+    dst = site / dist_info
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(target / dist_info, dst, ignore=shutil.ignore_patterns("RECORD"))
+    pth.write_text(f"{target}\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -431,36 +450,21 @@ def series_digest(base: Base, names: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def unpack_base(tgz: Path, tree: Path, base: Base) -> None:
+def unpack_base(whl: Path, tree: Path, base: Base) -> None:
+    """The wheel's files under ``tree/python`` (the package and its dist-info), committed as ``base``."""
     if tree.exists():
         shutil.rmtree(tree)
-    tree.mkdir(parents=True)
-    with tarfile.open(tgz) as tf:
-        (
-            tf.extractall(tree, filter="data")
-            if hasattr(tarfile, "data_filter")
-            else tf.extractall(tree)
-        )
-    top = tree / f"{base.name}-{base.version}"
-    top.rename(tree / "python")
+    (tree / "python").mkdir(parents=True)
+    with zipfile.ZipFile(whl) as zf:
+        zf.extractall(tree / "python")
     git(tree, "init", "-q")
     git(tree, "add", "-A")
-    # The editable install rewrites the egg-info; keep it out of the base so it never looks like an edit.
-    git(
-        tree,
-        "rm",
-        "-r",
-        "-q",
-        "--cached",
-        "--ignore-unmatch",
-        *[a.lstrip("/") for a in INSTALL_ARTIFACTS],
-    )
     git(
         tree,
         "commit",
         "-q",
         "-m",
-        f"pristine {base.name} {base.version} (sdist sha256 {base.sha256})",
+        f"pristine {base.name} {base.version} ({base.wheel}, sha256 {base.sha256})",
     )
     git(tree, "tag", "base")
 
@@ -486,9 +490,9 @@ def cmd_build(args) -> int:
                 + ", ".join(dirty_files(tree))
                 + "); run `refresh --into NAME` (or `--new NAME`) to keep them, or `build --force` to drop them"
             )
-        tgz = fetch_sdist(base)
+        whl = fetch_wheel(base)
         log(f"unpacking pristine {base.name} {base.version} and applying {len(names)} patch(es)")
-        unpack_base(tgz, tree, base)
+        unpack_base(whl, tree, base)
         apply_series(tree, names, commit=True)
         stamp.write_text(want + "\n")
     links = link_overlay(tree)
@@ -604,10 +608,10 @@ def read_series_names_raw() -> List[str]:
 
 def cmd_check(args) -> int:
     base, names = read_base(), read_series()
-    tgz = fetch_sdist(base)
+    whl = fetch_wheel(base)
     with tempfile.TemporaryDirectory(prefix="kv-offload-check-") as tmp:
         tree = Path(tmp) / "sglang"
-        unpack_base(tgz, tree, base)
+        unpack_base(whl, tree, base)
         apply_series(tree, names, commit=False)
         links = overlay_links(base_paths_of(tree))
     print(f"base: {base.name} {base.version} (sha256 {base.sha256[:12]}...)")

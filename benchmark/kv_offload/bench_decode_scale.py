@@ -91,7 +91,7 @@ class OffloadStack:
     ) -> None:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-            KVOffloadNSATokenToKVPool,
+            KVOffloadDSATokenToKVPool,
             KVOffloadTokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace
@@ -102,7 +102,7 @@ class OffloadStack:
         kw = _pool_kwargs(layers)
         kw.pop("page_size")
         self.r2t = ReqToTokenPool(reqs + 1, max_context, "cuda", False)
-        self.pool = KVOffloadNSATokenToKVPool(
+        self.pool = KVOffloadDSATokenToKVPool(
             physical_size=physical, logical_size=logical, page_size=ne.PAGE, **kw
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
@@ -121,7 +121,7 @@ class OffloadStack:
         if not with_host:  # the coordinator's own workspace, for the memory count
             self.workspace = PlanWorkspace(reqs, topk, self.sparse.max_slots, torch.device("cuda"))
         else:
-            from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+            from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
             from sglang.srt.mem_cache.sparsity.kv_offload.controller import (
                 KVOffloadCacheController,
             )
@@ -133,7 +133,7 @@ class OffloadStack:
             self.coord = KVOffloadCoordinator(
                 self.r2t.req_to_token, self.alloc, self.controller, self.sparse, max_bs=reqs
             )
-            self.adapter = NSAOffloadAdapter(self.coord)
+            self.adapter = DSAOffloadAdapter(self.coord)
 
 
 def offload_physical_rows(reqs: int, slots: int, staging: int) -> int:

@@ -163,12 +163,12 @@ class Point:
     """Real kv offload pools and coordinators for ``bs`` requests of ``ctx`` tokens on the host."""
 
     def __init__(self, a, bs: int, ctx: int, device: torch.device):
-        from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+        from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
         from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
         from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-            KVOffloadNSATokenToKVPool,
+            KVOffloadDSATokenToKVPool,
             KVOffloadTokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
@@ -177,7 +177,7 @@ class Point:
         self.bs, self.ctx, self.layers, self.device = bs, ctx, a.layers, device
         logical = bs * ctx
         physical = bs * (a.slots + 2 * PAGE) + PAGE
-        self.pool = KVOffloadNSATokenToKVPool(
+        self.pool = KVOffloadDSATokenToKVPool(
             physical_size=physical,
             logical_size=logical,
             page_size=PAGE,
@@ -218,7 +218,7 @@ class Point:
                 max_bs=bs,
                 prefetch_next_layer=prefetch,
             )
-            self.adapters[prefetch] = NSAOffloadAdapter(coord)
+            self.adapters[prefetch] = DSAOffloadAdapter(coord)
         admitting = self.adapters[False].coordinator
         for r in range(bs):
             locs = self.alloc.alloc_extend_to_host(ctx)

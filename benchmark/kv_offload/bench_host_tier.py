@@ -105,14 +105,14 @@ class LoadTarget:
     def _build_controller(self, row, host_rows, dev_rows):
         from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
         from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-            KVOffloadNSATokenToKVPool,
+            KVOffloadDSATokenToKVPool,
             KVOffloadTokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 
         dtype, dim, _ = LAYOUTS[row]
         phys = -(-dev_rows // 64) * 64
-        pool = KVOffloadNSATokenToKVPool(
+        pool = KVOffloadDSATokenToKVPool(
             phys, 64 * 64, 64, 512, dtype, 64, 1, "cuda", 128, False, dim
         )
         alloc = KVOffloadTokenToKVPoolAllocator(64 * 64, phys, 64, dtype, "cuda", pool, False)
@@ -217,7 +217,7 @@ def bench_backup(row, tokens, layers, iters, configs):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
         from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-            KVOffloadNSATokenToKVPool,
+            KVOffloadDSATokenToKVPool,
             KVOffloadTokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
@@ -226,7 +226,7 @@ def bench_backup(row, tokens, layers, iters, configs):
         return bench_backup_direct(res, row, tokens, layers, iters, configs)
 
     size = tokens + 2 * 64
-    pool = KVOffloadNSATokenToKVPool(
+    pool = KVOffloadDSATokenToKVPool(
         size, size, 64, 512, dtype, 64, layers, "cuda", 128, False, dim
     )
     alloc = KVOffloadTokenToKVPoolAllocator(size, size, 64, dtype, "cuda", pool, False)

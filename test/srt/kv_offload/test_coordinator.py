@@ -10,7 +10,7 @@ import torch
 from _pools import offload_device_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -80,7 +80,7 @@ class Harness:
             max_bs=max_reqs,
             prefetch_next_layer=prefetch_next_layer,
         )
-        self.adapter = NSAOffloadAdapter(self.coord)  # the attention side
+        self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
         self.free_reqs = list(range(max_reqs))
         self.kv = {}  # req -> list per layer of (seq_len, ROW) uint8 truth

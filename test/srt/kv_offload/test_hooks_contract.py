@@ -6,7 +6,7 @@
 * The model-runner patch calls the two factories of ``runtime`` with their arity.
 * Everything upstream's model side (NSA backend, model runner, CUDA-graph runner) uses on the
   sparse-attention coordinator slot is listed in ``hooks.ATTENTION_SIDE`` and exists on
-  ``NSAOffloadAdapter``.
+  ``DSAOffloadAdapter``.
 """
 
 import ast
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import sglang
-from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.mem_cache.sparsity.kv_offload import runtime
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import ATTENTION_SIDE, KVOffloadHooks
 from test_coordinator import Harness
@@ -109,7 +109,7 @@ def test_model_side_uses_only_what_the_adapter_provides():
             ):
                 used.add(node.attr)
     assert used == set(ATTENTION_SIDE), used
-    adapter = NSAOffloadAdapter(Harness().coord)
+    adapter = DSAOffloadAdapter(Harness().coord)
     for name in ATTENTION_SIDE:
         assert hasattr(adapter, name), name
     signature = inspect.signature(adapter.swap_in_selected_pages)

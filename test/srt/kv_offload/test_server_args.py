@@ -239,7 +239,7 @@ def test_default_path_imports_no_kv_offload_module():
     code = f"""
 import sys, torch
 
-BLOCKED = ("sglang.srt.mem_cache.sparsity.kv_offload", "sglang.srt.layers.attention.nsa_offload")
+BLOCKED = ("sglang.srt.mem_cache.sparsity.kv_offload", "sglang.srt.layers.attention.dsa_offload")
 attempts = []
 
 
@@ -323,7 +323,7 @@ release_kv_cache(req, tree)
 assert len(tree.finished) == 1 and tree.finished[0][0] is req and tree.finished[0][1] is True
 assert tree.req_to_token_pool.freed == [req] and tree.token_to_kv_pool_allocator.freed == []
 assert touched == [] and attempts == [], (touched, attempts)
-loaded = sorted(m for m in sys.modules if "kv_offload" in m or "nsa_offload" in m)
+loaded = sorted(m for m in sys.modules if "kv_offload" in m or "dsa_offload" in m)
 print("LOADED", loaded)
 
 # Control: the same call with the flag on does reach kv offload.

@@ -1,4 +1,4 @@
-"""KV offload for NSA (DeepSeek-V3.2 sparse attention) decode.
+"""KV offload for DSA (DeepSeek-V3.2 sparse attention) decode.
 
 The full latent KV lives in a pinned host pool; the GPU keeps the indexer keys for the whole context
 and a bounded sparse KV buffer managed by a GPU LRU. Enabled by ``--enable-kv-offload``.

@@ -1,6 +1,6 @@
 """Configuration and flag validation for ``--enable-kv-offload``.
 
-``ServerArgs.check_server_args`` imports this module and calls :func:`validate_server_args` only when
+Upstream's ``check_server_args`` imports this module and calls :func:`validate_server_args` only when
 the flag (or ``--kv-offload-config``) is given, so the default path never imports this package.
 """
 
@@ -12,12 +12,18 @@ import logging
 import math
 from typing import Any, Dict, Optional, Union
 
-from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
+from sglang.srt.configs.model_config import (
+    get_dsa_index_kpool,
+    get_dsa_index_topk,
+    is_deepseek_dsa,
+)
 
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE = 64
-"""NSA's KV page size on CUDA; host allocation and sparse slot grants are aligned to it."""
+"""DSA's KV page size on CUDA; host allocation and sparse slot grants are aligned to it."""
+DSA_BACKEND_NAMES = ("dsa", "nsa")
+"""The DSA attention backend and its deprecated name."""
 MAX_SLOTS_PER_REQ = 32767
 """The GPU LRU keeps each request's slot order as int16."""
 
@@ -52,7 +58,7 @@ class KVOffloadConfig:
             request (faster only while the host pool is small enough for warm address translation).
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
             into the decode host pool (registered with the transfer engine), so no GPU page stages
-            the prompt and no backup copies it; the NSA index state still goes to the GPU.
+            the prompt and no backup copies it; the DSA index state still goes to the GPU.
         status_log_interval: log one line of offload state (requests, promised and free rows,
             backups) every this many decode steps; 0 turns it off. Host-side counters only.
         prefetch_next_layer: while a layer computes, plan and load its top-k for the next
@@ -227,56 +233,56 @@ def _check_direct_to_host(server_args) -> None:
         )
 
 
-def check_requested_args(server_args) -> None:
-    """Checks on flags as the user gave them, before upstream's model adjustments rewrite them.
-
-    Called first thing in ``ServerArgs.__post_init__`` when ``--enable-kv-offload`` is set: upstream
-    sets the page size of every DSA model on CUDA to 64 whatever ``--page-size`` says.
-    """
-    page_size = server_args.page_size
-    if page_size is not None and page_size != PAGE_SIZE:
-        _reject(
-            f"--page-size is {page_size}; the NSA index buffer, the sparse slots and the host "
-            f"pages are laid out in pages of {PAGE_SIZE} tokens. Use --page-size {PAGE_SIZE} or "
-            "leave it unset."
-        )
-
-
 def validate_server_args(server_args) -> KVOffloadConfig:
     """Reject flag combinations that kv offload does not support; return the parsed config.
 
-    Called from ``ServerArgs.check_server_args`` when ``--enable-kv-offload`` or
-    ``--kv-offload-config`` is set.
+    Called from upstream's ``check_server_args`` (after resolution, at HiSparse's slot) when
+    ``--enable-kv-offload`` or ``--kv-offload-config`` is given. ``server_args`` holds the flags as
+    given; resolved values (model defaults, backends) are read through ``resolved_view``.
     """
-    if not server_args.enable_kv_offload:
+    from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
+    from sglang.srt.runtime_context import attn_dp_enabled_of
+
+    cfg = resolved_view(server_args)
+    if not cfg.enable_kv_offload:
         raise KVOffloadConfigError(
             "--kv-offload-config was given without --enable-kv-offload; add --enable-kv-offload "
             "or drop --kv-offload-config."
         )
-    config = KVOffloadConfig.from_json(server_args.kv_offload_config)
-    hf_config = server_args.get_model_config().hf_config
-    if not is_deepseek_nsa(hf_config):
+    config = KVOffloadConfig.from_json(cfg.kv_offload_config)
+    hf_config = model_config_of(server_args).hf_config
+    if not is_deepseek_dsa(hf_config):
         arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
         _reject(
-            f"the model ({arch}) is not an NSA/DSA sparse-attention model (no index_topk in its "
+            f"the model ({arch}) is not a DSA sparse-attention model (no index_topk in its "
             "config). kv offload needs DeepSeek-V3.2-style sparse attention; drop the flag for this "
             "model."
         )
-    config.check(index_topk=get_nsa_index_topk(hf_config))
+    config.check(index_topk=get_dsa_index_topk(hf_config))
+    kpool = get_dsa_index_kpool(hf_config)
+    if kpool != 1:
+        _reject(
+            f"the model pools {kpool} tokens per index key (index_kpool); kv offload lays the index "
+            f"buffer, sparse slots and host pages out in pages of {PAGE_SIZE} single tokens. Drop "
+            "the flag for this model."
+        )
 
     backends = {
-        "--attention-backend": server_args.attention_backend,
-        "--prefill-attention-backend": server_args.prefill_attention_backend,
-        "--decode-attention-backend": server_args.decode_attention_backend,
+        "--attention-backend": cfg.attention_backend,
+        "--prefill-attention-backend": cfg.prefill_attention_backend,
+        "--decode-attention-backend": cfg.decode_attention_backend,
     }
     for flag, backend in backends.items():
-        if backend is not None and backend != "nsa":
-            _reject(f"{flag} is {backend!r}; kv offload runs in the NSA backend. Use {flag} nsa.")
-    if server_args.page_size != PAGE_SIZE:
-        _reject(
-            f"--page-size is {server_args.page_size}; the NSA index buffer and host pages are laid "
-            f"out in pages of {PAGE_SIZE}. Use --page-size {PAGE_SIZE}."
-        )
+        if backend is not None and backend not in DSA_BACKEND_NAMES:
+            _reject(f"{flag} is {backend!r}; kv offload runs in the DSA backend. Use {flag} dsa.")
+    # As given: upstream resolves every DSA model's page size to 64 whatever --page-size says.
+    for page_size in (server_args.page_size, cfg.page_size):
+        if page_size is not None and page_size != PAGE_SIZE:
+            _reject(
+                f"--page-size is {page_size}; the DSA index buffer, the sparse slots and the host "
+                f"pages are laid out in pages of {PAGE_SIZE} tokens. Use --page-size {PAGE_SIZE} "
+                "or leave it unset."
+            )
 
     exclusive = {
         "enable_hisparse": "--enable-hisparse",
@@ -284,62 +290,96 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         "enable_hierarchical_cache": "--enable-hierarchical-cache",
     }
     for attr, flag in exclusive.items():
-        if getattr(server_args, attr, False):
+        if getattr(cfg, attr, False):
             _reject(
                 f"cannot be combined with {flag}: both move decode KV to the host and would own the "
                 f"same pool. Drop one of the two."
             )
-    if server_args.speculative_algorithm is not None:
+    speculative = cfg.speculative_algorithm
+    if speculative is not None and str(speculative).upper() != "NONE":
         _reject(
-            f"speculative decoding (--speculative-algorithm {server_args.speculative_algorithm}) "
-            "is not supported yet: draft tokens would need their own sparse slots. Drop "
-            "--speculative-algorithm or the offload flag."
+            f"speculative decoding (--speculative-algorithm {speculative}) is not supported yet: "
+            "draft tokens would need their own sparse slots. Drop --speculative-algorithm or the "
+            "offload flag."
         )
-    if not config.pin_host_memory and server_args.device == "cuda":
+    if not config.pin_host_memory and cfg.device == "cuda":
         _reject(
             "pin_host_memory=false on CUDA: the per-layer loads read the host pool directly from "
             "the GPU (zero-copy), which needs pinned memory. Drop pin_host_memory from "
             "--kv-offload-config."
         )
-    if server_args.pp_size > 1:
+    if cfg.pp_size > 1:
         _reject(
-            f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported yet: the "
+            f"pipeline parallelism (--pp-size {cfg.pp_size}) is not supported yet: the "
             "pools and the coordinator are built for all layers of one rank. Use --pp-size 1."
         )
-    if server_args.enable_two_batch_overlap:
+    if cfg.enable_two_batch_overlap:
         _reject(
             "two-batch overlap (--enable-two-batch-overlap) is not supported yet: its two "
             "micro-batches would plan into one workspace. Drop --enable-two-batch-overlap."
         )
-    if server_args.enable_dp_attention:
+    if attn_dp_enabled_of(cfg):
         _reject(
-            "DP attention (--enable-dp-attention) is not supported yet: each attention-DP rank "
-            "runs its own requests, while backup completion is agreed over the whole TP group and "
-            "the host pool is shared by all TP ranks of a node. Drop --enable-dp-attention: with "
+            f"attention DP (--attn-dp-size {cfg.attn_dp_size}) is not supported yet: each "
+            "attention-DP rank runs its own requests, while backup completion is agreed over the "
+            "whole TP group and the host pool is shared by all TP ranks of a node. Drop it: with "
             "plain --tp N the node's ranks share one host pool, so the host memory cost is the "
             "same as one DP replica's."
         )
-    if server_args.disaggregation_mode == "prefill":
+    unsupported = {
+        "enable_mixed_chunk": "--enable-mixed-chunk (a mixed batch would run prefill tokens "
+        "through the decode step's sparse slots)",
+        "enable_prefill_cp": "--enable-prefill-cp (context-parallel prefill splits a prompt's KV "
+        "across ranks)",
+        "enable_kv_cache_sharding": "--enable-kv-cache-sharding (sharded KV rows)",
+        "enable_unified_memory": "--enable-unified-memory (the split pool sizes GPU memory "
+        "itself)",
+        "disaggregation_decode_enable_radix_cache": "--disaggregation-decode-enable-radix-cache "
+        "(offloaded KV is owned by one request)",
+        "enable_streaming_session": "--enable-streaming-session (a session keeps a request's KV "
+        "row for its next turn; offloaded KV is released with the request)",
+    }
+    for attr, what in unsupported.items():
+        if getattr(cfg, attr, False):
+            _reject(f"cannot be combined with {what}. Drop that flag.")
+    if (getattr(cfg, "dcp_size", 1) or 1) > 1:
+        _reject(
+            f"decode context parallelism (--dcp-size {cfg.dcp_size}) is not supported: the host "
+            "pool and sparse slots hold a request's whole KV on one rank. Use --dcp-size 1."
+        )
+    threshold = getattr(cfg, "disaggregation_decode_host_receive_threshold", None)
+    if threshold is not None and threshold < 1:
+        _reject(
+            "--disaggregation-decode-host-receive-threshold below 1 routes prompts to upstream's "
+            "host receive path, which kv offload does not own. Leave it unset; kv offload's own "
+            "pd_direct_to_host writes prompts into its host pool."
+        )
+    if cfg.disaggregation_mode == "prefill":
         _reject(
             "this is a prefill server (--disaggregation-mode prefill), which never decodes. Put "
             "--enable-kv-offload on the decode server only."
         )
     if config.pd_direct_to_host:
-        _check_direct_to_host(server_args)
-    if server_args.disaggregation_mode == "null" and not server_args.disable_radix_cache:
+        _check_direct_to_host(cfg)
+    if cfg.disaggregation_mode == "null" and not cfg.disable_radix_cache:
         _reject(
             "the radix cache shares prompt KV between requests, but offloaded KV is owned by one "
             "request. Add --disable-radix-cache (PD decode servers disable it already)."
         )
 
-    kv_dtype = server_args.kv_cache_dtype
-    decode_backend = server_args.nsa_decode_backend
+    kv_dtype = cfg.kv_cache_dtype
+    if cfg.dsa_prefill_backend == "flashmla_sparse_q8":
+        _reject(
+            "--dsa-prefill-backend flashmla_sparse_q8 writes the prompt KV in its own layout, "
+            "which the host pool does not hold. Use --dsa-prefill-backend flashmla_sparse."
+        )
+    decode_backend = cfg.dsa_decode_backend
     if kv_dtype in SUPPORTED_DECODE_BACKENDS and decode_backend is not None:
         allowed = SUPPORTED_DECODE_BACKENDS[kv_dtype]
         if decode_backend not in allowed:
             _reject(
-                f"--nsa-decode-backend {decode_backend} is not supported with --kv-cache-dtype "
-                f"{kv_dtype}: it must read flat sparse-slot indices. Use --nsa-decode-backend "
+                f"--dsa-decode-backend {decode_backend} is not supported with --kv-cache-dtype "
+                f"{kv_dtype}: it must read flat sparse-slot indices. Use --dsa-decode-backend "
                 f"{' or '.join(allowed)}."
             )
     logger.info("kv offload enabled: %s", config)

@@ -21,7 +21,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-    KVOffloadNSATokenToKVPool,
+    KVOffloadDSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
@@ -84,7 +84,7 @@ class KVOffloadCacheController:
         group_load_config: Optional[CopyLaunchConfig] = None,
         debug: bool = _DEBUG,
     ):
-        pool: KVOffloadNSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
+        pool: KVOffloadDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
         self.mem_pool_device = pool
         self.mem_pool_host = mem_pool_host
         self.page_size = mem_pool_host.page_size

@@ -18,7 +18,7 @@ side writes it straight into host pages (:meth:`admit_from_host` takes it over f
 The scheduler-side calls (:meth:`admit`, :meth:`admit_from_host`, :meth:`before_decode_step`,
 :meth:`poll`, :meth:`release`) run between forward passes and may touch host state; the per-layer
 swap-in inside the forward is the attention adapter's
-(:class:`sglang.srt.layers.attention.nsa_offload.adapter.NSAOffloadAdapter`), which reads the
+(:class:`sglang.srt.layers.attention.dsa_offload.adapter.DSAOffloadAdapter`), which reads the
 state kept here.
 """
 

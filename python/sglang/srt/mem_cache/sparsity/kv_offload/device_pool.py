@@ -1,4 +1,4 @@
-"""GPU side of kv_offload: logical/physical split NSA pool, its allocator and GPU sizing.
+"""GPU side of kv_offload: logical/physical split DSA pool, its allocator and GPU sizing.
 
 * Logical locations (``req_to_token`` entries) address the indexer key buffer
   (``index_k_with_scale_buffer``, :func:`index_row_bytes` per token and layer: 132 B for
@@ -20,17 +20,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.hisparse_memory_pool import (
-    HiSparseNSATokenToKVPool,
-    HiSparseTokenToKVPoolAllocator,
-)
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import free_whole_pages
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
-from sglang.srt.utils import get_num_new_pages
+from sglang.srt.platforms import current_platform
+from sglang.srt.utils.common import get_num_new_pages
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +42,14 @@ LOGICAL_STATE_BYTES_PER_LAYER = 4
 
 
 def kv_row_bytes(kv_cache_dim: int, store_dtype: torch.dtype) -> int:
-    """656 for the NSA fp8 layout (uint8 store), 1152 for bf16 (576 x 2)."""
+    """656 for the DSA fp8 layout (uint8 store), 1152 for bf16 (576 x 2)."""
     return kv_cache_dim * torch.empty((), dtype=store_dtype).element_size()
 
 
 def index_row_bytes(index_head_dim: int) -> int:
-    """Bytes of one token's indexer key per layer in ``NSATokenToKVPool``: fp8 keys plus one fp32
+    """Bytes of one token's indexer key per layer in ``DSATokenToKVPool``: fp8 keys plus one fp32
     scale per 128-dim quantisation block (132 for DeepSeek-V3.2's ``index_head_dim`` 128)."""
-    return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+    return index_head_dim + index_head_dim // DSATokenToKVPool.quant_block_size * 4
 
 
 def index_bytes_per_logical_token(num_layers: int, index_row_bytes: int) -> int:
@@ -132,10 +130,10 @@ def split_gpu_budget(
 # --------------------------------------------------------------------------------------------------
 
 
-class KVOffloadNSATokenToKVPool(HiSparseNSATokenToKVPool):
-    """NSA pool with ``physical_size`` KV rows and ``logical_size`` index-key tokens.
+class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
+    """DSA pool with ``physical_size`` KV rows and ``logical_size`` index-key tokens.
 
-    Upstream ``HiSparseNSATokenToKVPool`` ties the two with an integer ratio; here they are sized
+    Upstream ``HiSparseDSATokenToKVPool`` ties the two with an integer ratio; here they are sized
     independently (see :func:`split_gpu_budget`). KV reads and writes by logical loc are translated
     through the HiSparse mapping (inherited).
     """
@@ -155,14 +153,16 @@ class KVOffloadNSATokenToKVPool(HiSparseNSATokenToKVPool):
         kv_cache_dim: int,
         start_layer: Optional[int] = None,
         end_layer: Optional[int] = None,
+        tail_extra_slots: int = 0,
+        max_running_requests: Optional[int] = None,
     ):
         for name, n in (("physical_size", physical_size), ("logical_size", logical_size)):
             if n <= 0 or n % page_size != 0:
                 raise ValueError(
                     f"kv_offload {name}={n} must be a positive multiple of page_size {page_size}"
                 )
-        # Skip HiSparseNSATokenToKVPool.__init__: it derives index_buf_size from an integer ratio.
-        NSATokenToKVPool.__init__(
+        # Skip HiSparseDSATokenToKVPool.__init__: it derives index_buf_size from an integer ratio.
+        DSATokenToKVPool.__init__(
             self,
             size=physical_size,
             page_size=page_size,
@@ -177,8 +177,11 @@ class KVOffloadNSATokenToKVPool(HiSparseNSATokenToKVPool):
             start_layer=start_layer,
             end_layer=end_layer,
             index_buf_size=logical_size,
+            tail_extra_slots=tail_extra_slots,
+            max_running_requests=max_running_requests,
         )
         self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
+        self.data_strides = torch.full_like(self.data_ptrs, self.bytes_per_token)
         self.physical_size = physical_size
         self.logical_size = logical_size
         self.loc_to_host: Optional[torch.Tensor] = None
@@ -222,7 +225,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
       device allocators), so finish / abort / retract through the ordinary free path leak nothing.
 
     ``kv_offload`` is the server's :class:`~.hooks.KVOffloadHooks`, set by
-    ``runtime.build_allocator``: upstream's hooks reach kv offload through the allocator they
+    ``runtime.init_offload``: upstream's hooks reach kv offload through the allocator they
     already hold.
     """
 
@@ -235,22 +238,26 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         page_size: int,
         dtype: torch.dtype,
         device: str,
-        kvcache: KVOffloadNSATokenToKVPool,
+        kvcache: KVOffloadDSATokenToKVPool,
         need_sort: bool,
     ):
         # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space by a ratio.
         self._kvcache = kvcache
         self._size_full = logical_size
         self._size_hisparse = physical_size
-        self.size = logical_size
+        self.compress_ratio = 1
         self.dtype = dtype
         self.device = device
         self.page_size = page_size
         self.need_sort = need_sort
-        self.logical_attn_allocator = PagedTokenToKVPoolAllocator(
+        # No speculative decoding under kv offload: request_slot_reserve charges nothing.
+        self._spec_scratch_capacity = 0
+        self._spec_device_buffer_size = 0
+        paged_cls = current_platform.get_paged_allocator_cls() or PagedTokenToKVPoolAllocator
+        self.logical_attn_allocator = paged_cls(
             logical_size, page_size, dtype, device, kvcache, need_sort
         )
-        self.hisparse_attn_allocator = PagedTokenToKVPoolAllocator(
+        self.hisparse_attn_allocator = paged_cls(
             physical_size, page_size, dtype, device, kvcache, need_sort
         )
         # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
@@ -269,8 +276,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.host_pending_free = 0
         self.free_pages = None
         self.release_pages = None
-        self.is_not_in_free_group = True
-        self.free_group = []
+        self.free_group = None
         self.clear()
         self._kvcache.register_mapping(weakref.proxy(self.full_to_hisparse_device_index_mapping))
         self._kvcache.register_loc_to_host(weakref.proxy(self.loc_to_host))
@@ -438,13 +444,15 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return logical[:num_tokens]
 
     # ------------------------------------------------------------------ retraction (PD decode)
-    def get_cpu_copy(self, indices: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def get_cpu_copy(
+        self, indices: torch.Tensor, mamba_indices=None, req_pool_index=None
+    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """What ``Req.offload_kv_cache`` saves when PD decode retracts a request (before its locs
         are freed): per layer, the KV rows ``(n, row_bytes)`` and the index-key rows ``(n, 132)``
         of the logical locs ``indices``, on the CPU.
 
         A row still behind a physical loc (the GPU tail, or a page whose backup has not completed)
-        is read from the GPU, every other row from its host slot. Upstream's NSA pool saves the KV
+        is read from the GPU, every other row from its host slot. Upstream's DSA pool saves the KV
         rows only; the index keys are saved too so the resumed request's indexer sees its context.
         """
         kv = self._kvcache
@@ -484,7 +492,9 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             out.append((rows, index_cpu))
         return out
 
-    def load_cpu_copy(self, kv_cache_cpu, indices: torch.Tensor) -> None:
+    def load_cpu_copy(
+        self, kv_cache_cpu, indices: torch.Tensor, mamba_indices=None, req_pool_index=None
+    ) -> None:
         """``Req.load_kv_cache`` when a retracted request resumes: write what
         :meth:`get_cpu_copy` saved into the new logical locs ``indices``, KV rows into their
         physical rows (``alloc_extend`` gave every loc one) and index keys into the index buffer."""
@@ -515,7 +525,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         pages = self.full_to_hisparse_device_index_mapping[first] // self.page_size
         # index_fill_, not ``[idx] = 0``: a Python scalar value is copied to the device (a sync).
         self.full_to_hisparse_device_index_mapping.index_fill_(0, logical_locs, 0)
-        free_whole_pages(self.hisparse_attn_allocator, pages)
+        self.hisparse_attn_allocator.free_page_ids(pages)
 
     def _whole_pages(self, locs: torch.Tensor) -> torch.Tensor:
         pages = torch.unique(locs // self.page_size)
@@ -541,13 +551,17 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return host.numel()
 
     def free(self, free_index: torch.Tensor):
+        # No free groups (upstream HiSparse's free_group_begin/end are no-ops): the mappings are
+        # cleared at once.
         if free_index.numel() == 0:
-            return
-        if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
             return
         self.free_host(free_index)
         super().free(free_index)
+
+    def translate_kv_indices_for_transfer(self, kv_indices: torch.Tensor) -> torch.Tensor:
+        """PD decode: where the prefill side writes the prompt KV (physical rows or host pages);
+        the DSA index state keeps the logical page ids."""
+        return self.kv_offload.pd_kv_destination_locs(kv_indices)
 
     def clear(self):
         super().clear()
@@ -557,7 +571,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
 def _index_byte_offsets(locs: torch.Tensor, pool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(page, byte offsets in the page) of each loc's index key and scale in the paged layout of
-    ``NSATokenToKVPool.index_k_with_scale_buffer``: keys at ``off * D``, scales at
+    ``DSATokenToKVPool.index_k_with_scale_buffer``: keys at ``off * D``, scales at
     ``page_size * D + off * 4``."""
     page, off = locs // pool.page_size, (locs % pool.page_size)[:, None]
     dim = pool.index_head_dim

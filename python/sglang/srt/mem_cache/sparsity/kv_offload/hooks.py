@@ -2,16 +2,18 @@
 
 Every call from an upstream file into kv offload goes through one of these:
 
-* :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.build_device_pool` and
-  :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.build_allocator`, the two factories
-  ``ModelRunnerKVCacheMixin._init_pools`` calls in place of the NSA pool and its allocator;
+* :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.device_pool_factory` and
+  :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.build_allocator`, which
+  ``KVCacheConfigurator`` calls in place of the DSA pool class and its allocator, and
+  :func:`~sglang.srt.mem_cache.sparsity.kv_offload.runtime.init_offload`, which
+  ``ModelRunner._init_post_memory_pool_components`` calls beside HiSparse's coordinator set-up;
 * :class:`KVOffloadHooks`, the per-server object the scheduler and the PD decode queue call. It is
   reached as ``token_to_kv_pool_allocator.kv_offload``: every upstream call site already holds the
   allocator, so no process-global state and no new plumbing is needed;
-* the attention side: ``NativeSparseAttnBackend`` reaches the sparse buffer through the forward
-  batch's sparse-attention coordinator slot, which the model runner fills and CUDA-graph replay
-  keeps current. kv offload installs
-  :class:`~sglang.srt.layers.attention.nsa_offload.adapter.NSAOffloadAdapter` there;
+* the attention side: ``DeepseekSparseAttnBackend`` reaches the sparse buffer through the model
+  runner's sparse-attention coordinator slot (``hisparse_coordinator``), which the model runner
+  and CUDA-graph replay keep current. kv offload installs
+  :class:`~sglang.srt.layers.attention.dsa_offload.adapter.DSAOffloadAdapter` there;
   :data:`ATTENTION_SIDE` lists what upstream calls on it.
 
 ``test_hooks_contract.py`` checks the patch series against this file: every ``kv_offload.<name>(``
@@ -29,9 +31,9 @@ import torch
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 
-# What NativeSparseAttnBackend, ModelRunner and CudaGraphRunner use on
+# What DeepseekSparseAttnBackend, ModelRunner and DecodeCudaGraphRunner use on
 # ``forward_batch.hisparse_coordinator`` / ``model_runner.hisparse_coordinator``.
-ATTENTION_SIDE = ("num_real_reqs", "swap_in_selected_pages")
+ATTENTION_SIDE = ("num_real_reqs", "swap_in_selected_pages", "wait_for_pending_backup")
 
 
 class KVOffloadHooks(abc.ABC):
@@ -60,7 +62,8 @@ class KVOffloadHooks(abc.ABC):
 
     @abc.abstractmethod
     def internal_state(self) -> Dict[str, object]:
-        """``Scheduler.get_internal_state``: the ``kv_offload`` entry of ``GET /server_info``."""
+        """``SchedulerInternalStateController.get_internal_state``: the ``kv_offload`` entry of
+        ``GET /server_info``."""
 
     # ------------------------------------------------------------------ PD decode queue
     @abc.abstractmethod
@@ -73,11 +76,13 @@ class KVOffloadHooks(abc.ABC):
 
     @abc.abstractmethod
     def pd_prealloc(self, req: "Req", fill_len: int) -> Optional[torch.Tensor]:
-        """``DecodePreallocQueue._pre_alloc``: logical locs for ``fill_len`` tokens, or None."""
+        """``DecodePreallocQueue._alloc_for_decode_prealloc``: logical locs for ``fill_len``
+        tokens (sets ``req.kv.kv_allocated_len``), or None."""
 
     @abc.abstractmethod
     def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
-        """``pop_preallocated``: where the prompt's KV rows go (physical rows or host slots)."""
+        """``translate_kv_indices_for_transfer`` of the allocator (``pop_preallocated``): where
+        the prompt's KV rows go (physical rows or host slots)."""
 
     @abc.abstractmethod
     def admit_transferred(self, reqs: Sequence["Req"]) -> None:

@@ -1,7 +1,7 @@
 """Pinned host pool holding the full latent KV of every running request (KV only, layer_first).
 
-Imported only when ``--enable-kv-offload`` is on: upstream ``memory_pool_host`` imports
-``sgl_kernel.kvcacheio`` at module level.
+Imported only when ``--enable-kv-offload`` is on: upstream ``pool_host.mla`` imports the
+``kvcacheio`` kernels at module level.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import List, Optional, Tuple
 
 import psutil
 import torch
-from sglang.srt.mem_cache.memory_pool_host import (
+from sglang.srt.mem_cache.pool_host.common import (
     HostTensorAllocator,
-    MLATokenToKVPoolHost,
     get_allocator_from_storage,
 )
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,11 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
       :class:`~.shared_host.NodeSharedHostAllocator` makes one pool per node that the node's TP
       ranks share, only its first rank writing backups (``writes_backups``).
 
-    ``HostKVCache.__init__`` is replaced (not called) because it asserts the host pool is larger than
-    the device pool, which is meaningless once the device only holds a sparse buffer, and its
-    out-of-memory message names the HiCache flags instead of ours.
+    ``MLATokenToKVPoolHost.__init__`` is replaced (not called): it sizes the pool from device-pool
+    buffer descriptors and a host/device ratio, takes its memory from an allocator named by a
+    string, budgets host RAM per rank (a node-shared pool is one copy for all ranks) with an
+    out-of-memory message naming the HiCache flags, and sets up write-back staging buffers
+    kv offload does not use. The attributes its inherited methods read are set here.
     """
 
     def __init__(
@@ -105,9 +107,21 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         # Only the node's first rank writes a shared pool; its other ranks map what it allocated.
         self.writes_backups = getattr(self.allocator, "is_writer", True)
         self.shared_by_ranks = getattr(self.allocator, "ranks_per_node", 1)
+        self.pool_label = "kv_offload"
+        self.can_use_write_back_jit = False
         self.override_kv_cache_dim = device_pool.kv_cache_dim
         self.dtype = device_pool.store_dtype
-        self.size_per_token = self.get_size_per_token()
+        self.kv_lora_rank = device_pool.kv_lora_rank
+        self.qk_rope_head_dim = device_pool.qk_rope_head_dim
+        self.kv_cache_dim = device_pool.kv_cache_dim
+        self.dsa_kv_cache_store_fp8 = self.dtype == torch.uint8
+        self.layer_num = self.target_layer_num = device_pool.layer_num
+        self._transfer_device = torch.device(device_pool.device)
+        self._native_buffers = None
+        self._size_per_token = host_kv_bytes_per_token(
+            self.kv_cache_dim * self.dtype.itemsize, self.layer_num
+        )
+        self.size_per_token = self._size_per_token
         self.start_layer = device_pool.start_layer
         self.end_layer = device_pool.end_layer
 
@@ -142,9 +156,8 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         self.lock = threading.RLock()
         self.clear()
 
-        # What MLATokenToKVPoolHost.__init__ sets after HostKVCache.__init__ (kept for upstream
-        # helpers such as get_contiguous_buf_infos, used to register the pool with Mooncake).
-        self.can_use_jit = False
+        # What MLATokenToKVPoolHost.__init__ sets after the buffer (read by upstream helpers such
+        # as get_contiguous_buf_infos, which registers the pool with Mooncake one page per item).
         self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)]
         self.data_ptrs = torch.tensor(
             [x.data_ptr() for x in self.data_refs], dtype=torch.uint64, device=device_pool.device
@@ -183,18 +196,6 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
     def host_row_view(self, layer_id: int) -> torch.Tensor:
         """``(size, row_bytes) uint8`` view of one layer (what the kernels index)."""
         return self.kv_buffer[layer_id - self.start_layer].view(self.size, -1).view(torch.uint8)
-
-    def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
-        """Per-layer ``(data_ptrs, data_lens, item_lens)`` for a PD transfer engine, one item a page.
-
-        The same format as the device pool's: an item is ``page_size`` tokens of one layer, so a
-        prefill server writes page ``p`` of this pool with the pointer arithmetic it uses for GPU
-        pages (``ptr + p * item_len``). Upstream ``MLATokenToKVPoolHost`` reports one token per item
-        (HiSparse's host pages are single tokens).
-        """
-        ptrs = [int(self.kv_buffer[i].data_ptr()) for i in range(self.layer_num)]
-        lens = [int(self.kv_buffer[i].nbytes) for i in range(self.layer_num)]
-        return ptrs, lens, [self.token_stride_size * self.page_size] * self.layer_num
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:

@@ -1,11 +1,12 @@
 """kv offload's side of the upstream hooks: building the pools, and the per-server hook object.
 
-``ModelRunnerKVCacheMixin._init_pools`` calls :func:`build_device_pool` in place of the NSA pool and
-:func:`build_allocator` where upstream builds the token allocator. The second builds everything
-else (host pool, controller, GPU LRU, coordinator), installs :class:`KVOffloadRuntime` as the
-allocator's ``kv_offload`` (what the scheduler and the PD decode queue call, see :mod:`hooks`) and
-the attention adapter as the model runner's sparse-attention coordinator (what
-``NativeSparseAttnBackend`` calls). Each scheduler process (one per TP rank) has its own.
+``KVCacheConfigurator`` builds the DSA pool through :func:`device_pool_factory` and the token
+allocator through :func:`build_allocator`; ``ModelRunner._init_post_memory_pool_components`` then
+calls :func:`init_offload`, which builds everything else (host pool, controller, GPU LRU,
+coordinator), installs :class:`KVOffloadRuntime` as the allocator's ``kv_offload`` (what the
+scheduler and the PD decode queue call, see :mod:`hooks`) and the attention adapter as the model
+runner's sparse-attention coordinator (what ``DeepseekSparseAttnBackend`` calls). Each scheduler
+process (one per TP rank) has its own.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 from http import HTTPStatus
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from sglang.srt.configs.model_config import get_nsa_index_topk
-from sglang.srt.layers.attention.nsa_offload.adapter import NSAOffloadAdapter
+from sglang.srt.configs.model_config import get_dsa_index_topk
+from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     LOGICAL_STATE_BYTES_PER_LAYER,
-    KVOffloadNSATokenToKVPool,
+    KVOffloadDSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
     index_row_bytes,
     kv_row_bytes,
@@ -37,29 +38,63 @@ from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
 from sglang.srt.mem_cache.sparsity.kv_offload.shared_host import NodeSharedHostAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
+from sglang.srt.runtime_context import (
+    get_exec,
+    get_memory,
+    get_observability,
+    get_parallel,
+    get_schedule,
+    get_serving,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def build_device_pool(runner, nsa_pool_kwargs: dict) -> KVOffloadNSATokenToKVPool:
-    """``ModelRunnerKVCacheMixin._init_pools`` hook: the split NSA device pool.
+def device_pool_factory(
+    model_config, max_running_requests: int
+) -> Callable[..., KVOffloadDSATokenToKVPool]:
+    """``KVCacheConfigurator`` hook: the DSA pool class to build, as a factory.
 
-    Called in place of the NSA pool. The profiler granted ``max_total_num_tokens`` tokens at the
-    full per-token cost (KV + index); that byte budget is re-split into physical KV rows (sparse
-    slots, decode tails, prompt staging) and logical tokens (index keys only).
+    Takes the DSA pool's arguments (``size`` is what the profiler granted at the full per-token
+    cost, KV + index) and re-splits that byte budget into physical KV rows (sparse slots, decode
+    tails, prompt staging for ``max_running_requests`` requests) and logical tokens (index keys
+    only).
     """
-    server_args = runner.server_args
-    config = KVOffloadConfig.from_json(server_args.kv_offload_config)
-    config.check(index_topk=get_nsa_index_topk(runner.model_config.hf_config))
-    layers = nsa_pool_kwargs["layer_num"]
-    dtype = nsa_pool_kwargs["dtype"]
+
+    def build(size: int, **kwargs) -> KVOffloadDSATokenToKVPool:
+        return build_device_pool(model_config, max_running_requests, size, **kwargs)
+
+    return build
+
+
+def build_device_pool(
+    model_config,
+    max_running: int,
+    size: int,
+    *,
+    index_kpool: int = 1,
+    index_kpool_compress: bool = False,
+    skip_topk_layers: Optional[List[bool]] = None,
+    dcp_replicated: bool = False,
+    **pool_kwargs,
+) -> KVOffloadDSATokenToKVPool:
+    """The split DSA device pool for a profiled budget of ``size`` full-cost tokens."""
+    if index_kpool != 1 or index_kpool_compress or dcp_replicated or any(skip_topk_layers or ()):
+        raise KVOffloadConfigError(
+            "--enable-kv-offload needs one index key per token in every layer (index_kpool 1, "
+            "no compression, no skipped top-k layers) and no decode context parallelism; this "
+            "model or launch has another layout. Drop the flag."
+        )
+    config = KVOffloadConfig.from_json(get_memory().kv_offload_config)
+    config.check(index_topk=get_dsa_index_topk(model_config.hf_config))
+    layers = pool_kwargs["layer_num"]
+    dtype = pool_kwargs["dtype"]
     store_dtype = torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
-    row = kv_row_bytes(nsa_pool_kwargs["kv_cache_dim"], store_dtype)
-    index_row = index_row_bytes(nsa_pool_kwargs["index_head_dim"])
-    page = nsa_pool_kwargs["page_size"]
-    budget = runner.max_total_num_tokens * (row + index_row) * layers
-    max_running = runner.req_to_token_pool.size
-    staging = max(runner.model_config.context_len, server_args.chunked_prefill_size or 0)
+    row = kv_row_bytes(pool_kwargs["kv_cache_dim"], store_dtype)
+    index_row = index_row_bytes(pool_kwargs["index_head_dim"])
+    page = pool_kwargs["page_size"]
+    budget = size * (row + index_row) * layers
+    staging = max(model_config.context_len, get_schedule().chunked_prefill_size or 0)
     physical = config.sparse_pool_slots or physical_slots_needed(
         max_running, config.sparse_slots_per_req, staging, page
     )
@@ -91,45 +126,50 @@ def build_device_pool(runner, nsa_pool_kwargs: dict) -> KVOffloadNSATokenToKVPoo
         page,
         index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
     )
-    kwargs = dict(nsa_pool_kwargs)
-    del kwargs["size"]
-    pool = KVOffloadNSATokenToKVPool(
-        physical_size=sizing.physical_slots, logical_size=sizing.logical_tokens, **kwargs
+    pool = KVOffloadDSATokenToKVPool(
+        physical_size=sizing.physical_slots, logical_size=sizing.logical_tokens, **pool_kwargs
     )
     pool.offload_config = config
     pool.offload_sizing = sizing
     return pool
 
 
-def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
-    """``ModelRunnerKVCacheMixin._init_pools`` hook, where upstream builds the token allocator.
-
-    Builds the split allocator over :func:`build_device_pool`'s pool, the host pool, the controller,
-    the GPU LRU and the coordinator; installs :class:`KVOffloadRuntime` as ``allocator.kv_offload``
-    and the attention adapter as ``runner.hisparse_coordinator``, and sets ``max_total_num_tokens``
-    to what the allocator reports free when idle.
-    """
-    server_args = runner.server_args
-    pool: KVOffloadNSATokenToKVPool = runner.token_to_kv_pool
-    config: KVOffloadConfig = pool.offload_config
+def build_allocator(pool: KVOffloadDSATokenToKVPool, need_sort: bool):
+    """``KVCacheConfigurator`` hook, where upstream builds the token allocator: the split
+    allocator over :func:`build_device_pool`'s pool."""
     sizing = pool.offload_sizing
-    allocator = KVOffloadTokenToKVPoolAllocator(
+    return KVOffloadTokenToKVPoolAllocator(
         sizing.logical_tokens,
         sizing.physical_slots,
-        runner.page_size,
-        runner.kv_cache_dtype,
-        runner.device,
+        pool.page_size,
+        pool.dtype,
+        pool.device,
         pool,
         need_sort,
     )
-    tp_group = getattr(runner, "tp_group", None)
+
+
+def init_offload(runner) -> None:
+    """``ModelRunner._init_post_memory_pool_components`` hook.
+
+    Builds the host pool, the controller, the GPU LRU and the coordinator over the allocator;
+    installs :class:`KVOffloadRuntime` as ``allocator.kv_offload`` and the attention adapter as
+    ``runner.hisparse_coordinator`` (read by the attention backend when it is built, next), and
+    sets ``max_total_num_tokens`` to what the allocator reports free when idle.
+    """
+    allocator: KVOffloadTokenToKVPoolAllocator = runner.token_to_kv_pool_allocator
+    pool: KVOffloadDSATokenToKVPool = allocator.get_kvcache()
+    config: KVOffloadConfig = pool.offload_config
+    sizing = pool.offload_sizing
+    parallel = get_parallel()
+    tp_group = parallel.tp_group if parallel.tp_size > 1 else None
     host = KVOffloadHostPool(
         pool,
         host_size_gb=config.host_pool_size_gb,
         host_pool_ratio=0.0 if config.host_pool_size_gb > 0 else config.host_pool_ratio,
         ratio_base_tokens=sizing.logical_tokens,
         pin_memory=config.pin_host_memory and str(pool.device).startswith("cuda"),
-        tensor_allocator=_shared_host_allocator(config, server_args, tp_group),
+        tensor_allocator=_shared_host_allocator(config, parallel, tp_group),
     )
     group_load_config = None
     if config.h2d_programs_per_req:
@@ -150,11 +190,12 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         num_logical_locs=allocator.full_to_hisparse_device_index_mapping.numel(),
         max_reqs=max_reqs,
         buffer_slots=config.sparse_slots_per_req,
-        topk=get_nsa_index_topk(runner.model_config.hf_config),
+        topk=get_dsa_index_topk(runner.model_config.hf_config),
         allocator=allocator.hisparse_attn_allocator,
         device=runner.device,
     )
-    max_bs = max(server_args.cuda_graph_max_bs or 0, runner.req_to_token_pool.size)
+    graph_max_bs = get_exec().graph.cuda_graph_config.decode.max_bs or 0
+    max_bs = max(graph_max_bs, runner.req_to_token_pool.size)
     coordinator = KVOffloadCoordinator(
         runner.req_to_token_pool.req_to_token,
         allocator,
@@ -168,11 +209,14 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         prefetch_next_layer=config.prefetch_next_layer,
     )
     metrics = None
-    if server_args.enable_metrics:
-        labels = {"model_name": server_args.served_model_name, "tp_rank": str(runner.tp_rank)}
+    if get_observability().enable_metrics:
+        labels = {
+            "model_name": get_serving().served_model_name,
+            "tp_rank": str(parallel.tp_rank),
+        }
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, metrics)
-    runner.hisparse_coordinator = NSAOffloadAdapter(coordinator)
+    runner.hisparse_coordinator = DSAOffloadAdapter(coordinator)
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
     # must agree when nothing is allocated.
@@ -190,12 +234,11 @@ def build_allocator(runner, need_sort: bool) -> KVOffloadTokenToKVPoolAllocator:
         host.size * host.get_size_per_token() / 1e9,
         config.sparse_slots_per_req,
     )
-    return allocator
 
 
-def _shared_host_allocator(config: KVOffloadConfig, server_args, tp_group):
+def _shared_host_allocator(config: KVOffloadConfig, parallel, tp_group):
     """The node-shared host memory of ``share_host_pool``, or None for a pool of this rank's own."""
-    ranks_per_node = server_args.tp_size // max(server_args.nnodes, 1)
+    ranks_per_node = parallel.tp_size // max(parallel.nnodes, 1)
     if not config.share_host_pool or tp_group is None or ranks_per_node <= 1:
         return None
     return NodeSharedHostAllocator(tp_group.cpu_group, ranks_per_node)
@@ -221,7 +264,7 @@ class KVOffloadRuntime(KVOffloadHooks):
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
         coordinator = self.coordinator
-        req_pool_indices = [req.req_pool_idx for req in batch.reqs]
+        req_pool_indices = [req.kv.req_pool_idx for req in batch.reqs]
         seq_lens = batch.seq_lens_cpu.tolist()
         for r, n in zip(req_pool_indices, seq_lens):
             if r in coordinator.requests:
@@ -237,7 +280,7 @@ class KVOffloadRuntime(KVOffloadHooks):
             coordinator.admit(r, n, written_len=n - 1)
         failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens))
         for req in batch.reqs:
-            reason = failed.get(req.req_pool_idx)
+            reason = failed.get(req.kv.req_pool_idx)
             if reason is not None and not req.finished():
                 # This step's output of the request is discarded and it ends with the error.
                 req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
@@ -250,8 +293,10 @@ class KVOffloadRuntime(KVOffloadHooks):
         page = coordinator.page_size
 
         def rows(r) -> int:
-            staging = -(-(len(r.fill_ids) - len(r.prefix_indices)) // page) * page
-            promised = r.req_pool_idx is not None and r.req_pool_idx in coordinator.reservations
+            # The whole rest of its prompt: chunks stay in GPU rows until the request decodes.
+            staging = -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page
+            r_idx = r.kv.req_pool_idx
+            promised = r_idx is not None and r_idx in coordinator.reservations
             return staging + (0 if promised else coordinator.rows_promised)
 
         need = rows(req) + sum(rows(r) for r in scheduled)
@@ -280,7 +325,7 @@ class KVOffloadRuntime(KVOffloadHooks):
     # ------------------------------------------------------------------ PD decode queue
     # The prompt KV destination is either the GPU physical pages (the default: backed up to the
     # host after admission) or, with ``pd_direct_to_host``, host pool pages written by the prefill
-    # side directly. The NSA index state always goes to the logical pages.
+    # side directly. The DSA index state always goes to the logical pages.
     def pd_kv_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
         # Host pool layers are laid out one item a page, as on the GPU, so the prefill side's page
         # arithmetic is unchanged.
@@ -303,9 +348,10 @@ class KVOffloadRuntime(KVOffloadHooks):
         to_host = not self._stages_on_gpu(req)
         locs = self.allocator.alloc_prompt(fill_len, to_host=to_host)
         if locs is not None:
-            self.coordinator.reserve(req.req_pool_idx)
+            req.kv.kv_allocated_len = fill_len
+            self.coordinator.reserve(req.kv.req_pool_idx)
             if to_host:
-                self._host_prealloc.add(req.req_pool_idx)
+                self._host_prealloc.add(req.kv.req_pool_idx)
         return locs
 
     def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
@@ -321,6 +367,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         # Direct-to-host requests are admitted from the host before their first decode step
         # allocates a token in their last page; the others at that step, from GPU rows.
         for req in reqs:
-            if req.req_pool_idx in self._host_prealloc:
-                self._host_prealloc.discard(req.req_pool_idx)
-                self.coordinator.admit_from_host(req.req_pool_idx, req.kv_allocated_len)
+            r = req.kv.req_pool_idx
+            if r in self._host_prealloc:
+                self._host_prealloc.discard(r)
+                self.coordinator.admit_from_host(r, req.kv.kv_allocated_len)

@@ -24,7 +24,7 @@ import uuid
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.memory_pool_host import HostTensorAllocator
+from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator
 
 logger = logging.getLogger(__name__)
 

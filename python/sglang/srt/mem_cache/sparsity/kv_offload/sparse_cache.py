@@ -35,28 +35,12 @@ class SlotAllocator(Protocol):
     """What we need from the physical page allocator (``PagedTokenToKVPoolAllocator``)."""
 
     page_size: int
-    need_sort: bool
-    is_not_in_free_group: bool
-    free_group: list
-    free_pages: torch.Tensor
-    release_pages: torch.Tensor
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]: ...
 
     def available_size(self) -> int: ...
 
-
-def free_whole_pages(allocator: SlotAllocator, pages: torch.Tensor) -> None:
-    """Return distinct page ids to a paged allocator: upstream ``free`` without its
-    ``torch.unique`` over the rows (a device sync), for callers whose pages are distinct by
-    construction."""
-    if not allocator.is_not_in_free_group:
-        allocator.free_group.append(pages * allocator.page_size)
-        return
-    if allocator.need_sort:
-        allocator.release_pages = torch.cat((pages, allocator.release_pages))
-    else:
-        allocator.free_pages = torch.cat((pages, allocator.free_pages))
+    def free_page_ids(self, page_ids: torch.Tensor) -> None: ...
 
 
 class LayerState(NamedTuple):
@@ -243,7 +227,7 @@ class SparseCacheState:
         self.slot_loc[:, r, :n] = -1
         self.lru[:, r, :n] = 0
         rows = self.out_cache_loc_sparse[r, :n].to(torch.int64)
-        free_whole_pages(self.allocator, rows[::PAGE_SIZE] // PAGE_SIZE)
+        self.allocator.free_page_ids(rows[::PAGE_SIZE] // PAGE_SIZE)
         self.out_cache_loc_sparse[r, :n] = -1
         self.num_slots[r : r + 1] = 0
         self.num_slots_cpu[r] = 0

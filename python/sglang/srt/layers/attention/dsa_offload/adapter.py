@@ -1,10 +1,12 @@
-"""The attention side of kv offload: one NSA decode layer's top-k -> sparse-buffer rows.
+"""The attention side of kv offload: one DSA decode layer's top-k -> sparse-buffer rows.
 
-``NativeSparseAttnBackend.forward_decode`` asks the forward batch's sparse-attention coordinator for
-the KV rows of each layer's selected tokens (``swap_in_selected_pages``, HiSparse's contract) and
-switches the decode indexer to unfused top-k (token positions) when one is installed; the model
-runner and CUDA-graph replay set ``num_real_reqs`` before every forward. kv offload installs this
-adapter there (``runtime.build_allocator``), so the backend needs no kv offload hook of its own.
+``DeepseekSparseAttnBackend.forward_decode`` asks the model runner's sparse-attention coordinator
+(read when the backend is built) for the KV rows of each layer's selected tokens
+(``swap_in_selected_pages``, HiSparse's contract) and switches the decode indexer to unfused top-k
+(token positions) when one is installed; the model runner calls ``wait_for_pending_backup`` and
+sets ``num_real_reqs`` before every decode forward, as CUDA-graph capture and replay do. kv offload
+installs this adapter there (``runtime.init_offload``), so the backend needs no kv offload hook of
+its own.
 
 Per layer, on the forward stream, two launches and no host sync (CUDA-graph safe: fixed shapes,
 device-side counts, no allocation):
@@ -35,8 +37,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
 )
 
 
-class NSAOffloadAdapter:
-    """What the NSA backend, the model runner and the CUDA-graph runner call on the forward side.
+class DSAOffloadAdapter:
+    """What the DSA backend, the model runner and the CUDA-graph runner call on the forward side.
 
     Args:
         coordinator: the server's :class:`KVOffloadCoordinator` (request state, LRU, plan
@@ -58,6 +60,10 @@ class NSAOffloadAdapter:
         self._side_stream = torch.cuda.Stream(device) if ws is not None and on_cuda else None
         self._prefetch_done = torch.cuda.Event() if self._side_stream is not None else None
         self._prefetch_in_flight = False
+
+    def wait_for_pending_backup(self) -> None:
+        """Nothing to wait for: a backup copies GPU rows to the host, and a row stays on the GPU
+        (and is what attention reads) until its backup has completed."""
 
     def swap_in_selected_pages(
         self,

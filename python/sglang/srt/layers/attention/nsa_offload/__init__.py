@@ -1,1 +1,0 @@
-"""NSA attention backend adapter for ``--enable-kv-offload``: :class:`adapter.NSAOffloadAdapter`."""
