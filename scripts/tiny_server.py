@@ -33,9 +33,9 @@ TOKENIZER_CORPUS_SEED = 0
 # What an NSA model needs on this stack: the NSA backend with its sparse prefill/decode kernel, bf16
 # KV, no radix cache (kv offload owns each request's KV), no grammar backend (no xgrammar wheel).
 TINY_DEFAULTS = [
-    "--attention-backend", "nsa",
-    "--nsa-prefill-backend", "flashmla_sparse",
-    "--nsa-decode-backend", "flashmla_sparse",
+    "--attention-backend", "dsa",  # 0.5.23: NSA renamed DSA ("nsa" is a deprecated alias)
+    "--dsa-prefill-backend", "flashmla_sparse",  # 0.5.23: --nsa-*-backend flags are gone
+    "--dsa-decode-backend", "flashmla_sparse",
     "--kv-cache-dtype", "bfloat16",
     "--page-size", "64",
     "--load-format", "dummy",
@@ -143,6 +143,9 @@ def server_env(base: Optional[Dict[str, str]] = None, cpu: Optional[bool] = None
         # a TP group even on the CPU (and fails: "Expected a cuda device"). A CPU torch has none,
         # which upstream handles by using the gloo group alone; give it the same here.
         env.setdefault("SGLANG_NCCL_SO_PATH", "libnccl-absent-on-a-cpu-server.so")
+        # 0.5.23: the sgl-kernel DSA top-k defaults to the DeepSeek-V4 "top-k v2" JIT kernel (nvcc);
+        # off, it takes the fused sgl_kernel transforms (S5 stand-ins), as 0.5.10 did.
+        env.setdefault("SGLANG_OPT_USE_TOPK_V2", "0")
     return env
 
 

@@ -24,7 +24,7 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stubs")
-_needs_stubs = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel", "torchvision"))
+_needs_stubs = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel",))
 if _needs_stubs and _STUBS not in sys.path:
     sys.path.insert(0, _STUBS)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -33,8 +33,30 @@ if _needs_stubs and _STUBS not in sys.path:
 
 # Property tests draw the same examples on every run (CI must not go red on a new random draw);
 # HYPOTHESIS_PROFILE=explore draws fresh ones locally.
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def published_cpu_topology():
+    """SGLang 0.5.23's pools and allocators read the process's published configuration (parallel
+    widths, memory and schedule bags): publish a one-rank CPU topology for every test, as
+    upstream's own unit tests do (``sglang.test.test_utils.published_topology``, whose module
+    imports benchmark datasets)."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    publish(
+        ServerArgs(model_path="dummy", device="cpu"),
+        role="test",
+        ranks=SpawnRanks(world_rank=0, dp_rank=None),
+    )
+    try:
+        yield
+    finally:
+        reset_context()

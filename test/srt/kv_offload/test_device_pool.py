@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _pools import offload_device_pool
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
     index_bytes_per_logical_token,
@@ -98,8 +98,8 @@ def test_allocated_bytes_match_formulas(dtype_dim, row):
     assert got["kv"] == (phys + P) * row * layers  # + the padding page (slot 0 is a dummy)
     assert got["index"] == ((logical + P + 1) // P) * P * 132 * layers
     assert pool.get_cell_size_per_token() == {"logical": 132 * layers, "physical": row * layers}
-    # the same shapes upstream NSATokenToKVPool gives an all-on-GPU pool of `logical` tokens
-    ref = NSATokenToKVPool(
+    # the same shapes upstream DSATokenToKVPool gives an all-on-GPU pool of `logical` tokens
+    ref = DSATokenToKVPool(
         logical, P, 512, dtype_dim[0], 64, layers, "cpu", 128, False, dtype_dim[1]
     )
     assert sum(b.nbytes for b in ref.index_k_with_scale_buffer) == got["index"]

@@ -1,10 +1,11 @@
 """The patch series and the kv offload interface agree.
 
 * Every call a patch makes on ``...kv_offload`` is a method of :class:`KVOffloadHooks`, with the
-  number of arguments the method takes, and every method of the interface is called by some patch.
+  number of arguments the method takes, and every method of the interface is called by some patch
+  or by the allocator upstream calls (``translate_kv_indices_for_transfer``).
 * ``KVOffloadRuntime`` implements the interface with the interface's signatures.
-* The model-runner patch calls the two factories of ``runtime`` with their arity.
-* Everything upstream's model side (NSA backend, model runner, CUDA-graph runner) uses on the
+* The model-runner patch calls the three entry points of ``runtime`` with their arity.
+* Everything upstream's model side (DSA backend, model runner, CUDA-graph runner) uses on the
   sparse-attention coordinator slot is listed in ``hooks.ATTENTION_SIDE`` and exists on
   ``DSAOffloadAdapter``.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import sglang
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
-from sglang.srt.mem_cache.sparsity.kv_offload import runtime
+from sglang.srt.mem_cache.sparsity.kv_offload import device_pool, runtime
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import ATTENTION_SIDE, KVOffloadHooks
 from test_coordinator import Harness
 
@@ -25,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[3]
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 UPSTREAM = Path(sglang.__file__).resolve().parent / "srt"
 MODEL_SIDE = (
-    "layers/attention/nsa_backend.py",
+    "layers/attention/dsa_backend.py",
     "model_executor/model_runner.py",
-    "model_executor/cuda_graph_runner.py",
+    "model_executor/runner/decode_cuda_graph_runner.py",
 )
 
 
@@ -78,7 +79,11 @@ def test_every_hook_call_is_an_interface_method_with_its_arity():
                 f"KVOffloadHooks.{method} takes {expected}"
             )
             called.add(method)
-    assert called == set(methods), f"interface methods no patch calls: {set(methods) - called}"
+    # The allocator (an upstream class) also calls the interface where upstream calls it.
+    for method, n_args in calls_on("kv_offload", inspect.getsource(device_pool)):
+        assert method in methods and n_args == len(methods[method].parameters) - 1, method
+        called.add(method)
+    assert called == set(methods), f"interface methods nothing calls: {set(methods) - called}"
 
 
 def test_runtime_implements_the_interface_with_its_signatures():
@@ -92,7 +97,11 @@ def test_runtime_implements_the_interface_with_its_signatures():
 def test_model_runner_patch_calls_the_factories_with_their_arity():
     (patch,) = [p for p in PATCHES if "model-runner" in p.name]
     calls = calls_on("runtime", added_code(patch))
-    assert sorted(calls) == [("build_allocator", 2), ("build_device_pool", 2)]
+    assert sorted(calls) == [
+        ("build_allocator", 2),
+        ("device_pool_factory", 2),
+        ("init_offload", 1),
+    ]
     for name, n_args in calls:
         assert len(inspect.signature(getattr(runtime, name)).parameters) == n_args
 

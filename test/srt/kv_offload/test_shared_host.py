@@ -53,7 +53,7 @@ def _rank_main(rank, world, ranks_per_node, port, shm_dir, dims, on_gpu, results
         alloc = NodeSharedHostAllocator(dist.group.WORLD, ranks_per_node, shm_dir=shm_dir)
         try:
             if on_gpu:
-                from sglang.srt.mem_cache.memory_pool_host import alloc_with_host_register
+                from sglang.srt.mem_cache.pool_host.common import alloc_with_host_register
 
                 buf = alloc_with_host_register(dims, torch.bfloat16, "cpu", True, alloc)
             else:

@@ -1,6 +1,5 @@
 """The upstream classes kv_offload builds on import and construct on CPU from the patched tree."""
 
-import threading
 from types import SimpleNamespace
 
 import torch
@@ -8,10 +7,10 @@ import torch
 PAGE = 64
 
 
-def _nsa_pool(dtype=torch.bfloat16, kv_dim=576, size=4 * PAGE, layers=2):
-    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+def _dsa_pool(dtype=torch.bfloat16, kv_dim=576, size=4 * PAGE, layers=2):
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    return NSATokenToKVPool(
+    return DSATokenToKVPool(
         size=size,
         page_size=PAGE,
         kv_lora_rank=512,
@@ -25,24 +24,22 @@ def _nsa_pool(dtype=torch.bfloat16, kv_dim=576, size=4 * PAGE, layers=2):
     )
 
 
-def test_nsa_pool_layouts():
-    bf16 = _nsa_pool()
+def test_dsa_pool_layouts():
+    bf16 = _dsa_pool()
     assert bf16.kv_buffer[0].shape == (5 * PAGE, 1, 576)
     # One index page holds 64 fp8 keys of 128 B and 64 fp32 scales: 132 B per token.
     assert bf16.index_k_with_scale_buffer[0].shape[1] == PAGE * 132
-    fp8 = _nsa_pool(dtype=torch.float8_e4m3fn, kv_dim=656)
-    assert fp8.nsa_kv_cache_store_fp8
+    fp8 = _dsa_pool(dtype=torch.float8_e4m3fn, kv_dim=656)
+    assert fp8.dsa_kv_cache_store_fp8
     assert fp8.kv_buffer[0].dtype == torch.uint8 and fp8.kv_buffer[0].shape[-1] == 656
 
 
 def test_hisparse_split_allocator_and_req_to_token():
-    from sglang.srt.mem_cache.hisparse_memory_pool import (
-        HiSparseNSATokenToKVPool,
-        HiSparseTokenToKVPoolAllocator,
-    )
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    pool = HiSparseNSATokenToKVPool(
+    pool = HiSparseDSATokenToKVPool(
         size=4 * PAGE,
         page_size=PAGE,
         kv_lora_rank=512,
@@ -61,52 +58,43 @@ def test_hisparse_split_allocator_and_req_to_token():
     logical_free = alloc.logical_attn_allocator.available_size()
     assert logical_free == 8 * PAGE
     assert alloc.hisparse_attn_allocator.available_size() == 4 * PAGE
+    # The exact-page free kv offload's sparse slots and backups use.
+    pages = alloc.hisparse_attn_allocator.alloc(2 * PAGE)[::PAGE] // PAGE
+    alloc.hisparse_attn_allocator.free_page_ids(pages)
+    assert alloc.hisparse_attn_allocator.available_size() == 4 * PAGE
     req_to_token = ReqToTokenPool(4, 1024, "cpu", False)
-    assert req_to_token.req_to_token.shape == (4, 1024)
-    req = SimpleNamespace(req_pool_idx=None, is_chunked=0, kv_committed_len=0)
+    assert req_to_token.req_to_token.shape[1] == 1024
+    req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=None, holds_kv=False))
     free_before = req_to_token.available_size()
-    assert req_to_token.alloc([req]) == [req.req_pool_idx]
+    assert req_to_token.alloc([req]) == [req.kv.req_pool_idx]
     assert req_to_token.available_size() == free_before - 1
-    req_to_token.free(req)
-    assert req_to_token.available_size() == free_before
 
 
-def test_host_pool_and_cache_controller(monkeypatch):
-    from sglang.srt.managers import cache_controller
-    from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost
+def test_mla_host_pool_reports_one_page_per_transfer_item():
+    """kv offload's host pool keeps upstream's get_contiguous_buf_infos (Mooncake registration of
+    pd_direct_to_host): one item is a page of one layer, as on the GPU."""
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    device_pool = _nsa_pool()
+    device_pool = _dsa_pool()
     host = MLATokenToKVPoolHost(
-        device_pool, 2.0, 0, PAGE, "layer_first", pin_memory=False, override_kv_cache_dim=576
-    )
-    # KV only: the index buffer is not part of this host pool.
-    assert host.get_size_per_token() == 576 * 2 * 2
-    allocator = PagedTokenToKVPoolAllocator(
-        4 * PAGE, PAGE, torch.bfloat16, "cpu", device_pool, False
-    )
-    # Upstream picks its device module at import (torch.get_device_module()): CUDA for a CUDA
-    # build of torch even on a machine without a GPU. This pool lives on the CPU.
-    monkeypatch.setattr(cache_controller, "device_module", torch.get_device_module("cpu"))
-    controller = HiCacheController(
-        allocator,
-        host,
+        device_pool.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
         PAGE,
-        tp_group=None,
-        load_cache_event=threading.Event(),
-        write_policy="write_through",
-        io_backend="direct",
+        "layer_first",
+        pin_memory=False,
+        override_kv_cache_dim=576,
+        device_capacity_tokens=device_pool.size,
+        start_layer=0,
+        end_layer=1,
+        target_layer_num=2,
+        host_token_capacity=8 * PAGE,
     )
-    assert controller.layer_num == 2
-    # host_to_device_ratio 2.0 over a 4-page device pool: 512 slots, which upstream's "align up"
-    # (size // page + 1 pages) turns into 9 pages even though 512 is already page aligned.
-    size = 9 * PAGE
-    assert host.size == size and host.available_size() == size
-    host_indices = host.alloc(PAGE)
-    assert host_indices.numel() == PAGE
-    assert host.available_size() == size - PAGE
-    assert torch.unique(host_indices).numel() == PAGE
-    assert bool((host_indices >= 0).all()) and bool((host_indices < size).all())
-    host.free(host_indices)
-    assert host.available_size() == size
+    assert host.get_size_per_token() == 576 * 2 * 2  # KV only, bf16, 2 layers
+    ptrs, lens, items = host.get_contiguous_buf_infos()
+    assert len(ptrs) == 2 and lens == [8 * PAGE * 576 * 2] * 2
+    assert items == [PAGE * 576 * 2] * 2
+    slots = host.alloc(PAGE)
+    assert host.available_size() == 7 * PAGE and torch.unique(slots).numel() == PAGE
+    host.free(slots)
+    assert host.available_size() == 8 * PAGE

@@ -276,21 +276,37 @@ def fast_topk_transform_ragged_fused(score, lengths, topk_indices_offset, topk, 
 # ------------------------------------------------------------------------------------------------
 # S6: FlashMLA sparse attention
 # ------------------------------------------------------------------------------------------------
-def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512):
+def flash_mla_sparse_fwd(
+    q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, **kwargs
+):
     """Sparse MLA: each query token attends to the KV rows named in ``indices`` (-1 = none).
 
     ``q [s_q, h_q, d_qk]``, ``kv [s_kv, 1, d_qk]``, ``indices [s_q, 1, topk]``. Returns
-    ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``.
+    ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``. 0.5.23 (``flash_mla`` wheel
+    signature) adds ``topk_length [s_q]`` (only the first ``topk_length[i]`` indices of row ``i``
+    count) and ``attn_sink [h_q]`` (an extra logit per head in the softmax denominator, no value).
     """
+    if topk_length is not None:
+        pos = torch.arange(indices.shape[-1], device=indices.device)
+        keep = pos[None, :] < topk_length.reshape(-1, 1).to(pos.dtype)
+        indices = torch.where(keep[:, None, :], indices, torch.full_like(indices, -1))
     s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]
     if s_q * topk * max(d_qk, h_q) <= CHUNK_ELEMENTS:
-        return _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v)
-    parts = [
-        _flash_mla_sparse_rows(q[rows], kv, indices[rows], sm_scale, d_v)
-        for rows in _row_chunks(s_q, topk * max(d_qk, h_q))
-    ]
-    return tuple(torch.cat(p, dim=0) for p in zip(*parts))
+        out = _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v)
+    else:
+        parts = [
+            _flash_mla_sparse_rows(q[rows], kv, indices[rows], sm_scale, d_v)
+            for rows in _row_chunks(s_q, topk * max(d_qk, h_q))
+        ]
+        out = tuple(torch.cat(p, dim=0) for p in zip(*parts))
+    if attn_sink is not None:
+        o, max_logits, lse = out
+        sink = attn_sink.double().reshape(1, -1)
+        new_lse = torch.logaddexp(lse.double(), sink)
+        o = (o.double() * torch.exp(lse.double() - new_lse).unsqueeze(-1)).to(o.dtype)
+        out = (o, max_logits, new_lse.float())
+    return out
 
 
 def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
@@ -666,21 +682,70 @@ def _patch_nsa_triton_kernel(module) -> None:
     module.act_quant = act_quant
 
 
+def _patch_dsa_indexer(module) -> None:
+    # 0.5.23: nsa/nsa_indexer.py is a re-export shim of dsa/dsa_indexer.py. The logits functions
+    # come from `dsa.utils.resolve_*`, which import `deep_gemm` (the S4 package beside this file).
+    # (`_is_cuda` also gates the CUDA-JIT indexer fusion, off for this config: rope is neox style.)
+    module._is_cuda = True  # S1: forward_cuda raises "only supports CUDA, HIP, and NPU" otherwise
+    module.Indexer.forward_native = module.Indexer.forward_cuda  # S1: the indexer has no CPU path
+    if not torch.cuda.is_available():  # S11: the CUDA head-gate GEMM, aten::mm.dtype, is CUDA-only
+
+        def _weights_proj_bf16_in_fp32_out(self, x):
+            x = x[0] if isinstance(x, tuple) else x
+            return torch.mm(x.float(), self.weights_proj.weight.float().t())
+
+        module.Indexer._weights_proj_bf16_in_fp32_out = _weights_proj_bf16_in_fp32_out
+        # S12: the ragged (prefill) top-k asserts a device index, used only for the CUDA logits
+        # memory budget (reached for big matrices only); a CPU tensor has none.
+        _replace_in_method(
+            module,
+            module.Indexer,
+            "_get_topk_ragged",
+            "device_index = device.index\n",
+            "device_index = device.index if device.index is not None else 0\n",
+        )
+    module.rotate_activation = rotate_activation  # S3 (0.5.23 JIT hadamard is CUDA only)
+    module.can_use_dsa_fused_store = lambda *args, **kwargs: False  # S9 (JIT: would run nvcc)
+
+
+def _replace_in_method(module, cls, name: str, old: str, new: str) -> None:
+    """Recompile ``cls.name`` from its source with the one line ``old`` replaced by ``new`` (fails
+    loudly if ``old`` is not found exactly once, so an upstream change cannot slip through)."""
+    import __future__
+    import inspect
+    import textwrap
+
+    lines, first = inspect.getsourcelines(getattr(cls, name))
+    src = textwrap.dedent("".join(lines))
+    assert src.count(old) == 1, f"{cls.__name__}.{name}: expected one {old!r}"
+    code = compile(
+        "\n" * (first - 1) + src.replace(old, new),  # keep upstream's line numbers
+        inspect.getsourcefile(cls),
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
+    namespace: Dict[str, object] = {}
+    exec(code, module.__dict__, namespace)
+    setattr(cls, name, namespace[name])
+
+
+@_cpu_only
+def _patch_act_quant_triton(module) -> None:
+    module.act_quant = act_quant  # C1 (0.5.23: moved from nsa.triton_kernel)
+
+
 PATCHES: Dict[str, Callable] = {
-    "sglang.srt.mem_cache.memory_pool": _patch_memory_pool,
-    "sglang.srt.layers.attention.nsa.index_buf_accessor": _patch_index_buf_accessor,
-    "sglang.srt.layers.attention.nsa.triton_kernel": _patch_nsa_triton_kernel,
+    # (0.5.23: no memory_pool patch: on the CPU platform, supports_triton=False, the MLA KV row write
+    # already takes upstream's torch `set_mla_kv_buffer_naive`.)
+    # 0.5.23 module moves: nsa.index_buf_accessor -> kernels.ops.kvcache.dsa_index_k_cache,
+    # nsa.triton_kernel.act_quant -> kernels.ops.quantization.act_quant_triton
+    "sglang.kernels.ops.kvcache.dsa_index_k_cache": _patch_index_buf_accessor,
+    "sglang.kernels.ops.quantization.act_quant_triton": _patch_act_quant_triton,
     "sglang.srt.server_args": _patch_server_args,
-    "sglang.srt.layers.attention.nsa.nsa_indexer": _patch_nsa_indexer,
+    "sglang.srt.layers.attention.dsa.dsa_indexer": _patch_dsa_indexer,
     "sglang.srt.model_loader.loader": _patch_loader,
     "sglang.srt.layers.rotary_embedding.rope_variant": _patch_rope_variant,
-    "sglang.srt.layers.layernorm": _patch_layernorm,
-    "sglang.srt.layers.activation": _patch_activation,
-    "sglang.srt.layers.moe.topk": _patch_topk,
-    "sglang.srt.layers.quantization.unquant": _patch_unquant,
-    "sglang.srt.managers.overlap_utils": _patch_overlap_utils,
-    "sglang.srt.model_executor.forward_batch_info": _patch_forward_batch_info,
-    "sglang.srt.layers.attention.utils": _patch_attention_utils,
 }
 
 
@@ -708,10 +773,49 @@ class _PatchingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+_TRACED = (
+    "hadamard_transform rotate_activation fp8_mqa_logits fp8_paged_mqa_logits "
+    "get_paged_mqa_logits_metadata get_num_sms fast_topk_v2 fast_topk_transform_fused "
+    "fast_topk_transform_ragged_fused flash_mla_sparse_fwd initialize_dummy_weights act_quant "
+    "set_mla_kv_buffer set_index_k_and_scale"
+).split()
+
+
+def _trace_first_calls() -> None:
+    """Debug aid (KV_OFFLOAD_STANDINS_TRACE=1): log the first call of each stand-in to stderr."""
+    import functools
+    import os
+
+    g = globals()
+    for name in _TRACED:
+        fn = g[name]
+
+        def wrap(fn=fn, name=name):
+            seen = []
+
+            @functools.wraps(fn)
+            def traced(*args, **kwargs):
+                if not seen:
+                    seen.append(1)
+                    print(f"[standin] pid {os.getpid()} first call: {name}", file=sys.stderr, flush=True)
+                return fn(*args, **kwargs)
+
+            return traced
+
+        g[name] = wrap()
+
+
 def install() -> None:
     """Apply every stand-in in this process (modules already imported are patched now)."""
+    import os
+
     if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
         return
+    if os.environ.get("KV_OFFLOAD_STANDINS_TRACE") == "1":
+        _trace_first_calls()
+    # Debug aid: KV_OFFLOAD_STANDINS_SKIP=mod1,mod2 leaves those target modules unpatched.
+    for skipped in filter(None, os.environ.get("KV_OFFLOAD_STANDINS_SKIP", "").split(",")):
+        PATCHES.pop(skipped, None)
     sys.meta_path.insert(0, _PatchingFinder())
     for name, patch in PATCHES.items():
         if name in sys.modules:

@@ -8,12 +8,39 @@ __version__ = "0.0.0+cpustub"
 _TOPK_STANDINS = ("fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused")
 
 
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """0.5.23 ``kernels/ops/kvcache/cache_move.py`` imports this CPU op at module level when
+    ``SGLANG_USE_CPU_ENGINE=1``: for every buffer ``i`` (base address ``data_ptrs[i]``, row stride
+    ``strides[i]`` bytes) copy row ``src_loc[j]`` to row ``tgt_loc[j]`` (same maths, by memmove)."""
+    import ctypes
+
+    ptrs, row_bytes = data_ptrs.tolist(), strides.tolist()
+    pairs = list(zip(tgt_loc.tolist(), src_loc.tolist()))
+    for base, stride in zip(ptrs, row_bytes):
+        for tgt, src in pairs:
+            if tgt != src:
+                ctypes.memmove(base + tgt * stride, base + src * stride, stride)
+
+
+def _cpu_op_placeholder(name):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name} (CPU-engine op) is not available here")
+
+    fn.__name__ = name
+    return fn
+
+
 def __getattr__(name):
     # S5: NSA's three top-k kernels, as the torch references of the tiny real server's stand-ins.
     if name in _TOPK_STANDINS:
         import kv_offload_standins
 
         return getattr(kv_offload_standins, name)
+    # 0.5.23: modules import sgl_kernel's CPU-engine ops (``*_cpu``: speculative decoding, request
+    # slot assignment for spec decode, ...) at module level when SGLANG_USE_CPU_ENGINE=1. Import
+    # placeholders that raise when called; none is on the tiny server's path.
+    if name.endswith("_cpu"):
+        return _cpu_op_placeholder(name)
     raise AttributeError(name)
 
 

@@ -1,1 +1,0 @@
-from . import functional  # noqa: F401
