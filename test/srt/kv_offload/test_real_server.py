@@ -316,7 +316,7 @@ class TestPressure:
         assert off.server_info()["max_total_num_tokens"] == PRESSURE_TOKENS
         ref, outs = both(off, on, self.PROMPTS, self.NEW_TOKENS)
         assert tokens(outs) == tokens(ref)
-        retractions = [sum(o["meta_info"]["total_retractions"] for o in r) for r in (outs, ref)]
+        retractions = [sum(o["meta_info"]["num_retractions"] for o in r) for r in (outs, ref)]
         state = on.wait_no_leak()
         print(
             f"\n[pressure] host pool {state['initial_free']['host']} tokens, {RUNNING} x "
