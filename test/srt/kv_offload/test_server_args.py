@@ -262,17 +262,21 @@ class RefuseKVOffload:
 
 sys.meta_path.insert(0, RefuseKVOffload())
 torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
-from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+from sglang.srt.server_args import prepare_server_args
 
-args = prepare_server_args({["--model-path", DSA_MODEL, *BASE]!r})
+argv = {["--model-path", DSA_MODEL, *BASE]!r}
+args = prepare_server_args(argv)
+args.resolve_once()
 args.check_server_args()
 assert args.enable_kv_offload is False
 # The patched upstream modules import nothing of kv offload while the flag is off.
 import sglang.srt.managers.scheduler, sglang.srt.managers.schedule_batch, sglang.srt.mem_cache.common
 import sglang.srt.model_executor.model_runner, sglang.srt.disaggregation.decode
+import sglang.srt.mem_cache.kv_cache_configurator
 from sglang.srt.mem_cache.common import release_kv_cache
 
-set_global_server_args_for_scheduler(args)
+publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None))
 touched = []
 
 
@@ -289,12 +293,22 @@ class Recorder:
         return None
 
 
-class Req:
-    def __init__(self):
-        self.req_pool_idx, self.mamba_pool_idx = 3, None
+class KV:
+    holds_kv, is_kv_released, holds_mamba = True, False, False
+    req_pool_idx, kv_allocated_len, kv_committed_len, cache_protected_len = 3, 100, 100, 0
 
-    def pop_overallocated_kv_cache(self):
-        return 100, 100
+    def mark_kv_released(self):
+        self.holds_kv, self.is_kv_released = False, True
+
+
+class Req:
+    rid, lock, skip_radix_cache_insert, finished_len = "r", None, False, None
+
+    def __init__(self):
+        self.kv = KV()
+
+    def owned_kv_len(self):
+        return self.kv.kv_committed_len
 
 
 class ReqToTokenPool:
@@ -306,39 +320,49 @@ class ReqToTokenPool:
 
 
 class Allocator:
+    page_size = 64
+
     def __init__(self):
         self.kv_offload = Recorder("allocator.kv_offload")
-        self.freed = []
-
-    def free(self, indices):
-        self.freed.append(indices)
 
 
 class Tree:
     def __init__(self):
-        self.finished = []
+        self.rows = []
         self.req_to_token_pool = ReqToTokenPool()
         self.token_to_kv_pool_allocator = Allocator()
 
     def supports_mamba(self):
         return False
 
-    def cache_finished_req(self, req, is_insert=True):
-        self.finished.append((req, is_insert))
+    def claim_kv_row(self, req):
+        return False
+
+    def free_kv_row(self, kv, segments):
+        self.rows.append((kv, segments))
+
+    def unlock(self, lock):
+        pass
+
+    def on_release(self, req, checkpointed):
+        pass
 
 
 req, tree = Req(), Tree()
-release_kv_cache(req, tree)
-assert len(tree.finished) == 1 and tree.finished[0][0] is req and tree.finished[0][1] is True
-assert tree.req_to_token_pool.freed == [req] and tree.token_to_kv_pool_allocator.freed == []
+release_kv_cache(req, tree, checkpoint=False)
+assert tree.rows == [(req.kv, [(0, 100)])] and tree.req_to_token_pool.freed == [req]
+assert req.kv.is_kv_released
 assert touched == [] and attempts == [], (touched, attempts)
 loaded = sorted(m for m in sys.modules if "kv_offload" in m or "dsa_offload" in m)
 print("LOADED", loaded)
 
 # Control: the same call with the flag on does reach kv offload.
-args.enable_kv_offload = True
+on = prepare_server_args(argv + ["--enable-kv-offload"])
+on.resolve_once()
+reset_context()
+publish(on, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None))
 try:
-    release_kv_cache(Req(), Tree())
+    release_kv_cache(Req(), Tree(), checkpoint=False)
     outcome = "returned"
 except Exception as exc:
     outcome = type(exc).__name__
@@ -534,11 +558,14 @@ def test_documented_pd_decode_command_validates():
     for flag in ("--tp", "--disaggregation-ib-device"):
         i = argv.index(flag)
         del argv[i : i + 2]
+    from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args([*argv, "--device", "cpu"])
-    assert args.enable_kv_offload and args.disaggregation_mode == "decode"
-    assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
+    args.resolve_once()
+    view = resolved_view(args)
+    assert view.enable_kv_offload and view.disaggregation_mode == "decode"
+    assert view.kv_cache_dtype == "fp8_e4m3" and view.dsa_decode_backend == "flashmla_kv"
     args.check_server_args()
 
 
@@ -556,9 +583,12 @@ def test_documented_colocated_tp8_command_validates():
     argv[argv.index("--model-path") + 1] = DSA_MODEL  # offline: the tiny config, one rank
     i = argv.index("--tp")
     del argv[i : i + 2]
+    from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
     args = prepare_server_args([*argv, "--device", "cpu"])
-    assert args.enable_kv_offload and args.disaggregation_mode == "null"
-    assert args.kv_cache_dtype == "fp8_e4m3" and args.nsa_decode_backend == "flashmla_kv"
+    args.resolve_once()
+    view = resolved_view(args)
+    assert view.enable_kv_offload and view.disaggregation_mode == "null"
+    assert view.kv_cache_dtype == "fp8_e4m3" and view.dsa_decode_backend == "flashmla_kv"
     args.check_server_args()

@@ -38,7 +38,7 @@ def test_check_applies_series_to_pristine_base():
     assert "apply cleanly to the pristine base" in res.stdout
     assert "none shadows upstream" in res.stdout
     assert "footprint:" in res.stdout and "upstream files touched" in res.stdout
-    assert "python/sglang/srt/server_args.py" in res.stdout
+    assert "python/sglang/srt/arg_groups/fields/memory.py" in res.stdout
 
 
 def test_unknown_or_missing_command_is_an_error(tmp_path):
@@ -130,9 +130,11 @@ def test_build_refresh_round_trip(tool, tmp_path):
     args = ["--build-dir", str(build)]
     assert tool.main([*args, "build", "--no-venv"]) == 0
     tree = build / "sglang"
-    server_args = tree / "python/sglang/srt/server_args.py"
+    server_args = tree / "python/sglang/srt/arg_groups/fields/memory.py"
     text = server_args.read_text()
-    assert "enable_kv_offload: bool = False" in text
+    assert "    enable_kv_offload: A[\n        bool," in text
+    # The base is the pinned wheel's sources, its metadata included.
+    assert (tree / "python/sglang-0.5.23.dist-info/METADATA").is_file()
     # Overlay directories are linked, not copied.
     link = tree / "python/sglang/srt/mem_cache/sparsity/kv_offload"
     assert link.is_symlink() and link.resolve() == (
@@ -140,7 +142,7 @@ def test_build_refresh_round_trip(tool, tmp_path):
     )
 
     # A second build with nothing changed does not touch the tree.
-    marker = tree / "python/sglang/srt/server_args.py"
+    marker = server_args
     mtime = marker.stat().st_mtime_ns
     assert tool.main([*args, "build", "--no-venv"]) == 0
     assert marker.stat().st_mtime_ns == mtime
@@ -148,8 +150,8 @@ def test_build_refresh_round_trip(tool, tmp_path):
     # Edits without a destination are refused; with --into they land in that patch.
     server_args.write_text(
         text.replace(
-            "    kv_offload_config: Optional[str] = None\n",
-            "    kv_offload_config: Optional[str] = None  # round-trip marker\n",
+            "    # KV offload for DSA decode (mem_cache/sparsity/kv_offload)\n",
+            "    # KV offload for DSA decode (mem_cache/sparsity/kv_offload)  # round-trip marker\n",
         )
     )
     assert tool.main([*args, "refresh"]) == 1
