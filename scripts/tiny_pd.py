@@ -9,7 +9,7 @@
 * a decode server: the same with ``--disaggregation-mode decode`` plus ``DECODE_ARGS`` (e.g.
   ``--enable-kv-offload --kv-offload-config '{"pd_direct_to_host": true}'``);
 * the mini load balancer of the ``sglang-router`` wheel (``python -m sglang_router.launch_router
-  --pd-disaggregation --mini-lb``; sglang 0.5.10.post1 itself ships none) on ``--port``,
+  --pd-disaggregation --mini-lb``) on ``--port``,
 
 and serves until interrupted (Ctrl-C stops all three). ``ARGS`` go to both servers.
 
@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
+import tiny_server  # noqa: E402
 from _real_server import (  # noqa: E402
     TinyServer,
     free_port,
@@ -98,11 +99,17 @@ class MiniLB:
 
 
 def prefill_args(args: Sequence[str], bootstrap_port: int) -> List[str]:
-    return list(args) + [
+    extra = [
         "--disaggregation-mode", "prefill",
         "--disaggregation-transfer-backend", "mooncake",
         "--disaggregation-bootstrap-port", str(bootstrap_port),
     ]  # fmt: skip
+    if not tiny_server._has_cuda():
+        # SGLang 0.5.23's prefill event loop records CUDA events on its forward stream under the
+        # overlap scheduler (the early send of a chunked prompt's cached pages); a CPU prefill
+        # server runs without it. The decode server, where kv offload runs, keeps it.
+        extra.append("--disable-overlap-schedule")
+    return list(args) + extra
 
 
 def decode_args(args: Sequence[str], extra: Sequence[str]) -> List[str]:

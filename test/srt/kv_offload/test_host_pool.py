@@ -65,6 +65,11 @@ def test_layout_and_row_view_share_memory(dtype_dim):
     # Bytes, not values: the uninitialised pool may hold NaN bit patterns (NaN != NaN).
     assert torch.equal(host.kv_buffer[0].view(torch.uint8), layer0.view(torch.uint8))
     assert host.row_views[1].words.data_ptr() == host.kv_buffer[1].data_ptr()
+    # What pd_direct_to_host registers with Mooncake (upstream's method): a page of one layer
+    # per item, at the layer's rows.
+    ptrs, lens, items = host.get_contiguous_buf_infos()
+    assert ptrs == [host.kv_buffer[i].data_ptr() for i in range(2)]
+    assert lens == [host.size * row] * 2 and items == [P * row] * 2
 
 
 def test_ratio_is_relative_to_logical_capacity():

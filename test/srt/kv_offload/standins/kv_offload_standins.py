@@ -735,7 +735,16 @@ def _patch_act_quant_triton(module) -> None:
     module.act_quant = act_quant  # C1 (0.5.23: moved from nsa.triton_kernel)
 
 
+@_cpu_only
+def _patch_mooncake_conn(module) -> None:
+    # S13: a PD prefill server copies a chunk's page indices to pinned memory and records a CUDA
+    # event when its sender takes host tensors; off CUDA, upstream's other path (the same indices,
+    # computed at once) is the one that can run.
+    module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
 PATCHES: Dict[str, Callable] = {
+    "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     # (0.5.23: no memory_pool patch: on the CPU platform, supports_triton=False, the MLA KV row write
     # already takes upstream's torch `set_mla_kv_buffer_naive`.)
     # 0.5.23 module moves: nsa.index_buf_accessor -> kernels.ops.kvcache.dsa_index_k_cache,

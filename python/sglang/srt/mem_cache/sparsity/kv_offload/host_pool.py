@@ -118,6 +118,7 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         self.layer_num = self.target_layer_num = device_pool.layer_num
         self._transfer_device = torch.device(device_pool.device)
         self._native_buffers = None
+        self._is_dummy = False  # a real buffer, not upstream's allocator-only descriptor
         self._size_per_token = host_kv_bytes_per_token(
             self.kv_cache_dim * self.dtype.itemsize, self.layer_num
         )
