@@ -28,7 +28,8 @@ def prepare_environment(device: str) -> None:
     """Set up a process before sglang is imported: Triton interpreter on CPU, import stand-ins.
 
     ``TRITON_INTERPRET`` must be set before any ``@triton.jit`` module is imported; the
-    ``sgl_kernel`` / ``torchvision`` stand-ins are added only where the real packages are missing.
+    ``sgl_kernel`` stand-in is added only where the real package is missing; the process publishes
+    a one-rank configuration (:func:`publish_standalone_context`).
     """
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -37,9 +38,22 @@ def prepare_environment(device: str) -> None:
         torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    missing = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel", "torchvision"))
-    if missing and CPU_STUBS not in sys.path:
+    if importlib.util.find_spec("sgl_kernel") is None and CPU_STUBS not in sys.path:
         sys.path.insert(0, CPU_STUBS)
+    publish_standalone_context(device)
+
+
+def publish_standalone_context(device: str) -> None:
+    """Publish a one-rank configuration for this process: SGLang 0.5.23's pools and allocators
+    read it (parallel widths, memory and schedule bags), as a server's scheduler publishes its own."""
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(
+        ServerArgs(model_path="dummy", device=device),
+        role="test",
+        ranks=SpawnRanks(world_rank=0, dp_rank=None),
+    )
 
 
 def dequantize_rows(rows: torch.Tensor, kv_dtype: str) -> torch.Tensor:

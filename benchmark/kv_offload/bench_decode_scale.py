@@ -4,7 +4,7 @@ Run on the GPU machine (``source scripts/gpu_env.sh`` first). For each ``(batch,
 
 1. **Memory per request** (61 layers, fp8 656 B rows, 132 B index rows, real upstream pools): the
    GPU bytes ``torch.cuda.memory_allocated`` grows by when building (a) upstream's
-   ``NSATokenToKVPool`` for ``batch x context`` tokens (all KV on the GPU) and (b) kv_offload's
+   ``DSATokenToKVPool`` for ``batch x context`` tokens (all KV on the GPU) and (b) kv_offload's
    split pool + allocator tables + GPU LRU state + plan workspace for the same batch (index keys for
    every token; KV rows only for ``batch x (sparse_slots + one page of decode tail)``). The host
    bytes of (b) are reported beside it.
@@ -143,10 +143,10 @@ def offload_physical_rows(reqs: int, slots: int, staging: int) -> int:
 
 # ------------------------------------------------------------------------------------ memory
 def memory_point(bs: int, ctx: int, a) -> Dict[str, Any]:
-    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     out: Dict[str, Any] = dict(bs=bs, ctx=ctx, layers=LAYERS, slots=a.slots)
-    pool, full = _measure(lambda: NSATokenToKVPool(size=bs * ctx, **_pool_kwargs(LAYERS)))
+    pool, full = _measure(lambda: DSATokenToKVPool(size=bs * ctx, **_pool_kwargs(LAYERS)))
     del pool
     out["full_gpu_bytes"] = full
     build = lambda n, staging: OffloadStack(  # noqa: E731

@@ -104,19 +104,17 @@ HISPARSE_0523_SRC = ROOT / ".gpu" / "sglang-0.5.23"
 def _load_community() -> Optional[Callable]:
     """HiSparse's swap-in kernel: SGLang 0.5.23's (``hisparse_0523/loader.py``, built from that
     release's sources, called with its coordinator's block size 960) when its sources are in
-    ``.gpu/sglang-0.5.23`` (``$HISPARSE_0523_SRC``); otherwise 0.5.10's ``sglang.jit_kernel``."""
+    ``.gpu/sglang-0.5.23`` (``$HISPARSE_0523_SRC``)."""
     src = Path(os.environ.get("HISPARSE_0523_SRC", HISPARSE_0523_SRC))
     try:
-        if src.is_dir():
-            sys.path.insert(0, str(Path(__file__).resolve().parent / "hisparse_0523"))
-            from loader import load_swap_in
+        if not src.is_dir():
+            raise FileNotFoundError(f"no 0.5.23 sources in {src}")
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "hisparse_0523"))
+        from loader import load_swap_in
 
-            fn = load_swap_in(src)
-            fn.version = "0.5.23"  # type: ignore[attr-defined]
-            return fn
-        from sglang.jit_kernel.hisparse import load_cache_to_device_buffer_mla
-
-        return load_cache_to_device_buffer_mla
+        fn = load_swap_in(src)
+        fn.version = "0.5.23"  # type: ignore[attr-defined]
+        return fn
     except Exception as e:  # noqa: BLE001
         print(
             f"[skip] community HiSparse kernel not importable ({type(e).__name__}: {e}); "
@@ -790,7 +788,7 @@ def main() -> None:
         "transfer": f"{PKG}.transfer.copy_rows" if bench.transfer else "built-in fallback gather",
         "community": bool(bench.community),
         "community_version": (
-            getattr(bench.community, "version", "0.5.10") if bench.community else None
+            bench.community.version if bench.community else None
         ),
     }
     print(json.dumps(env))

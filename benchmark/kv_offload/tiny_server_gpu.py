@@ -407,7 +407,7 @@ import torch
 report = {"imports": {}, "graph_capture": {}}
 mods = ["sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
         "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.cuda_graph_runner",
-        "sglang.srt.models.deepseek_v2", "sglang.srt.layers.attention.nsa_backend",
+        "sglang.srt.models.deepseek_v2", "sglang.srt.layers.attention.dsa_backend",
         "sglang.srt.layers.moe.topk", "sglang.srt.layers.quantization.unquant",
         "sglang.srt.layers.sampler", "sglang.srt.managers.detokenizer_manager",
         "sglang.srt.managers.overlap_utils", "sglang.srt.mem_cache.sparsity.kv_offload.runtime"]
