@@ -1,4 +1,4 @@
-# Two entry points; each does all its own set-up on a fresh machine (venv, pinned sdist, patches).
+# Two entry points; each does all its own set-up on a fresh machine (venv, pinned wheel, patches).
 PY ?= python3
 VENV := .venv
 

@@ -653,7 +653,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--build-dir", type=Path, default=DEFAULT_BUILD, help="default: build/")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="default: .venv/")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("build", help="materialise the patched tree and install it editable")
+    p = sub.add_parser("build", help="materialise the patched tree and put it on the venv's path")
     p.add_argument(
         "--force", action="store_true", help="rebuild from the base, dropping unrefreshed edits"
     )

@@ -452,8 +452,8 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         of the logical locs ``indices``, on the CPU.
 
         A row still behind a physical loc (the GPU tail, or a page whose backup has not completed)
-        is read from the GPU, every other row from its host slot. Upstream's DSA pool saves the KV
-        rows only; the index keys are saved too so the resumed request's indexer sees its context.
+        is read from the GPU, every other row from its host slot. As upstream's DSA pool does, the
+        index keys are saved too, so the resumed request's indexer sees its context.
         """
         kv = self._kvcache
         locs = indices.to(self.device, torch.int64)
