@@ -50,15 +50,17 @@ CPU_DEFAULTS = [
     "--max-running-requests", "8",
     "--context-length", "8192",
 ]  # fmt: skip
-# A CUDA machine without sgl_kernel, flashinfer and DeepGEMM (the lent GPU box): import placeholders
-# (cpu_stubs/sgl_kernel with every name, gpu_stubs/flashinfer), the G* stand-ins of
-# kv_offload_standins.py, and upstream switches that select its existing torch/Triton paths.
+# A CUDA machine without sgl_kernel, flashinfer, FlashMLA and DeepGEMM (the lent GPU box): import
+# placeholders (cpu_stubs/sgl_kernel with every name, cpu_stubs/flash_mla, gpu_stubs/flashinfer), the
+# G* stand-ins of kv_offload_standins.py, and upstream switches that select its existing torch/Triton
+# paths instead of binary or JIT (nvcc) kernels.
 GPU_NO_KERNELS_ENV = {
     "KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES": "1",
     "SGLANG_IS_FLASHINFER_AVAILABLE": "0",  # no flashinfer norm/sampling/top-k paths
-    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",  # indexer head-gate GEMM in torch, no DeepGEMM warm-up
-    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",  # sparse MLA prefill, no FA3 MHA
-    "SGLANG_USE_FUSED_METADATA_COPY": "0",  # NSA graph-replay metadata by torch copies, not JIT
+    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",  # no DeepGEMM GEMMs or warm-up (the stand-in has logits only)
+    "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",  # sparse MLA prefill, no FA3 MHA
+    "SGLANG_OPT_USE_TOPK_V2": "0",  # sgl_kernel DSA top-k (S5 stand-ins), not the JIT top-k v2
+    "SGLANG_DISABLE_DSA_INDEXER_FUSION": "1",  # no JIT indexer q/k fusion (taken for non-neox rope)
     "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
 }
 

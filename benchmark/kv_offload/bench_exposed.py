@@ -15,8 +15,8 @@ host (admitted as a PD direct-to-host decode server admits them), and replays a 
 * ``offload+prefetch``: the same with ``prefetch_next_layer`` (each layer's top-k planned and loaded
   for the next layer on a side stream, forked and joined inside the graph);
 * ``hisparse-0.5.23``: SGLang 0.5.23's HiSparse swap-in in place of ours, on the same host rows
-  (``hisparse_0523/loader.py``; needs ``.gpu/sglang-0.5.23`` and apache-tvm-ffi, staged by
-  ``scripts/env/fetch_gpu_wheels.sh``; skipped when absent).
+  (``hisparse_0523/loader.py``; needs ``.gpu/sglang-0.5.23``, extracted from the carried sglang wheel
+  by ``scripts/gpu_env.sh``, and apache-tvm-ffi from ``.whl``; skipped when absent).
 
 Top-k comes from ``traces.py`` (realistic: sinks, window, drifting relevance, per-layer churn,
 adjacent layers sharing most of their selection). The exposed time per layer is
@@ -147,7 +147,7 @@ class HiSparseLayers:
 def load_hisparse(src: str):
     """0.5.23's swap-in (block size 960), or None with the reason printed."""
     if not Path(src).is_dir():
-        print(f"[skip] HiSparse 0.5.23: no sources at {src} (scripts/env/fetch_gpu_wheels.sh)")
+        print(f"[skip] HiSparse 0.5.23: no sources at {src} (source scripts/gpu_env.sh)")
         return None
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parent / "hisparse_0523"))

@@ -406,7 +406,8 @@ import importlib, json, sys, traceback
 import torch
 report = {"imports": {}, "graph_capture": {}}
 mods = ["sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
-        "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.cuda_graph_runner",
+        "sglang.srt.model_executor.model_runner",
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
         "sglang.srt.models.deepseek_v2", "sglang.srt.layers.attention.dsa_backend",
         "sglang.srt.layers.moe.topk", "sglang.srt.layers.quantization.unquant",
         "sglang.srt.layers.sampler", "sglang.srt.managers.detokenizer_manager",
@@ -442,9 +443,11 @@ def cases():
     xb = torch.randn(B, 4, 128, device=dev, dtype=torch.bfloat16)
     yield "rotate_activation", lambda: S.rotate_activation(xb)
     gl = torch.randn(B, 4, device=dev)
-    yield "moe_fused_gate", lambda: S.moe_fused_gate(gl, torch.zeros(4, device=dev), 1, 1, 2, 0, 2.5, False)
-    if hasattr(torch.ops.sgl_kernel, "moe_fused_gate"):
-        yield "torch.ops.sgl_kernel.moe_fused_gate", lambda: torch.ops.sgl_kernel.moe_fused_gate(gl, torch.zeros(4, device=dev), 1, 1, 2, 0, 2.5, False)
+    bias4 = torch.zeros(4, device=dev)
+    def triton_gate():  # G4: no stand-in; upstream's Triton router (the tiny model's sigmoid gate)
+        from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
+        return moe_fused_gate(gl, bias4, 2, scoring_func="sigmoid", renormalize=True)
+    yield "upstream triton moe_fused_gate", triton_gate
     x = torch.randn(B, 256, device=dev, dtype=torch.bfloat16)
     w13 = torch.randn(4, 256, 256, device=dev, dtype=torch.bfloat16) * 0.05
     w2 = torch.randn(4, 256, 128, device=dev, dtype=torch.bfloat16) * 0.05

@@ -1,10 +1,12 @@
-"""Test-only torch references for the binary kernels the real NSA server calls (the one list).
+"""Test-only torch references for the binary kernels the real DSA server calls (the one list).
 
 The tiny real server (``scripts/tiny_server.py``, the end-to-end tests, ``make serve-tiny``) runs
-upstream SGLang unchanged on machines that lack ``sgl_kernel``, DeepGEMM and the JIT kernels. Each
-entry below replaces one binary kernel by the same maths in torch, and nothing else: every kv_offload
-component and every other upstream line runs for real. The references use fixed shapes, masks and
-no host synchronisation, so they are also safe inside CUDA graphs on the GPU.
+upstream SGLang 0.5.23 unchanged on machines that lack ``sgl_kernel``, FlashMLA, DeepGEMM and the JIT
+kernels (``sglang.kernels.jit``: tvm-ffi modules built by nvcc at first use). Each entry below
+replaces one such kernel by the same maths in torch, and nothing else: every kv_offload component
+and every other upstream line runs for real (upstream's Triton kernels included). The references
+use fixed shapes, masks and no host synchronisation, so they are also safe inside CUDA graphs on the
+GPU.
 
 ``sitecustomize.py`` beside this file calls :func:`install` in every process of the server
 (tokenizer manager, scheduler, detokenizer) when ``KV_OFFLOAD_STANDINS=1``; the patches are applied
@@ -13,64 +15,85 @@ when the target module is first imported.
 ====  =====================================================  =========================================
 #     replaces                                               stand-in
 ====  =====================================================  =========================================
-S1    ``nsa_indexer._is_cuda`` off CUDA (CPU)                 take the CUDA indexer path (paged /
+S1    ``dsa_indexer._is_cuda`` off CUDA (CPU)                take the CUDA indexer path (paged /
                                                              ragged logits + top-k) on the CPU too
-S2    ``torch.cuda.get_device_capability`` on a CPU torch      report SM90 (H200), so server_args picks
-                                                             Hopper's NSA defaults as on the GPU
-S3    ``jit_kernel.hadamard.hadamard_transform``              Sylvester Hadamard matrix product
-S4    DeepGEMM ``fp8_mqa_logits``, ``fp8_paged_mqa_logits``,   :func:`fp8_mqa_logits`,
-      ``get_paged_mqa_logits_metadata``, ``get_num_sms``      :func:`fp8_paged_mqa_logits`, ... (the
-                                                             ``deep_gemm`` package beside this file)
-S5    ``sgl_kernel.fast_topk_v2``,                            :func:`fast_topk_v2` and the two fused
-      ``fast_topk_transform_fused``,                          transforms: ``torch.topk`` with the same
-      ``fast_topk_transform_ragged_fused``                    masking and output layout
-S6    ``sgl_kernel.flash_mla.flash_mla_sparse_fwd``           :func:`flash_mla_sparse_fwd`, sparse MLA
-                                                             attention over the selected rows
-S7    ``--load-format dummy``'s uniform +-1e-3 weights         seeded init at a scale where the output
+S2    ``torch.cuda.get_device_capability`` on a CPU torch    report SM90 (H200), so server_args picks
+                                                             Hopper's DSA defaults as on the GPU
+S3    ``dsa_indexer.rotate_activation`` (JIT Hadamard        Sylvester Hadamard matrix product (CPU
+      transform of ``sglang.kernels.jit``)                   and GPU)
+S4    DeepGEMM ``fp8_mqa_logits``,                           :func:`fp8_mqa_logits`,
+      ``fp8_paged_mqa_logits``,                              :func:`fp8_paged_mqa_logits`, ... (the
+      ``get_paged_mqa_logits_metadata``, ``get_num_sms``     ``deep_gemm`` package beside this file)
+      (reached through ``dsa.utils.resolve_*``)
+S5    ``sgl_kernel.fast_topk_v2``,                           :func:`fast_topk_v2` and the two fused
+      ``fast_topk_transform_fused``,                         transforms: ``torch.topk`` with the same
+      ``fast_topk_transform_ragged_fused``                   masking and output layout (served by the
+                                                             ``sgl_kernel`` stub; the JIT top-k v2 is
+                                                             off: ``SGLANG_OPT_USE_TOPK_V2=0``)
+S6    ``flash_mla.flash_mla_sparse_fwd`` (the                :func:`flash_mla_sparse_fwd`, sparse MLA
+      ``sgl-flash-mla`` wheel, called through                attention over the selected rows (served
+      ``kernels.ops.attention.flash_mla_interface``)         by the ``flash_mla`` stub)
+S7    ``--load-format dummy``'s uniform +-1e-3 weights       seeded init at a scale where the output
                                                              depends on the context, drawn in the
                                                              checkpoint layout and sharded by the
-                                                             model's ``load_weights`` (same weights
-                                                             at every TP size)
-S8    ``Indexer._should_chunk_mqa_logits`` (reads             never chunk (tiny shapes)
-      ``torch.cuda.mem_get_info``)
-S9    ``jit_kernel.fused_store_index_cache`` (JIT, CUDA)      upstream's own fallback (act_quant +
+                                                             model's ``load_weights`` (same weights at
+                                                             every TP size)
+S9    ``dsa_indexer.can_use_dsa_fused_store`` (JIT fused     ``False``: upstream's own fallback
+      index-K store)                                         (act_quant +
                                                              ``set_index_k_scale_buffer``)
-S10   CPU only: ``DeepseekScalingRotaryEmbedding``'s torch    the same maths with 2-D inputs viewed as
-      path broadcasts a 2-D key ``[T, d]`` to ``[T, T, d]``     ``[T, 1, d]`` (the indexer's key is 2-D;
-      (the GPU uses the CUDA rope kernel)                     upstream CPU bug)
-G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``     upstream's own ``RMSNorm.forward_native``
+S10   CPU:                                                   the same maths with 2-D inputs viewed as
+      ``DeepseekScalingRotaryEmbedding.forward_native``      ``[T, 1, d]`` (also G3's maths on the
+      broadcasts a 2-D key ``[T, d]`` to ``[T, T, d]`` (the  GPU)
+      indexer's key is 2-D; upstream CPU bug)
+S11   CPU: ``Indexer._weights_proj_bf16_in_fp32_out`` (the   ``torch.mm`` in fp32
+      head-gate GEMM, ``aten::mm.dtype``, is CUDA-only)
+S12   CPU: ``Indexer._get_topk_ragged`` asserts a CUDA       the same method, device index 0 when the
+      device index (used for the logits memory budget)       tensor has none
+S13   CPU:                                                   ``False``: a PD prefill server takes
+      ``MooncakeKVSender.supports_host_tensor_indices``      upstream's synchronous page-index path
+      (pinned page indices + a CUDA event per chunk)
+G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``   upstream's own ``RMSNorm.forward_native``
       (``RMSNorm.forward_cuda``)
-G2    CUDA: ``sgl_kernel.silu_and_mul``                       upstream's own ``SiluAndMul.forward_native``
+G2    CUDA: JIT                                              upstream's own
+      ``kernels.ops.activation.activation.silu_and_mul``     ``SiluAndMul.forward_native``
+      (``sgl_kernel.silu_and_mul`` for other widths)
       (``SiluAndMul.forward_cuda``)
-G3    CUDA: JIT ``apply_rope_with_cos_sin_cache_inplace``      the S10 torch rope (same maths, returns
-      (``DeepseekScalingRotaryEmbedding.forward_cuda``)       new tensors as upstream's torch path does)
-G4    CUDA: ``sgl_kernel.moe_fused_gate`` (and flashinfer's    :func:`moe_fused_gate`: upstream's
-      ``fused_topk_deepseek``, switched off)                  ``biased_grouped_topk_impl`` maths,
-                                                             renormalised; also defined as the torch op
-                                                             ``sgl_kernel::moe_fused_gate`` (topk.py
-                                                             registers a fake for it at import)
-G5    CUDA: the Triton fused-MoE runner (``sgl_kernel``         :func:`fused_moe_dense`: every expert on
-      ``moe_align_block_size``, ``silu_and_mul``,             every token, combined with the top-k
-      ``moe_sum_reduce``) (``UnquantizedFusedMoEMethod``)      weights (0 elsewhere) and
-                                                             ``routed_scaling_factor`` (fixed shapes)
-G6    CUDA: JIT ``resolve_future_token_ids_cuda`` and          upstream's torch fallbacks in the same
-      ``clamp_position_cuda``                                 modules
-G7    CUDA: ``sgl_kernel.concat_mla_absorb_q``                 ``torch.cat`` (upstream's own fallback)
-C1    CPU only, for speed: upstream Triton kernels that run   torch of the same maths: the KV row write
-      per token in the Triton interpreter (100x slower):      (``set_mla_kv_buffer_triton``), the index
-      ``set_mla_kv_buffer_triton``, ``SetKAndS.triton``,       key + scale write into the paged index
-      ``nsa.triton_kernel.act_quant``                          buffer (:func:`set_index_k_and_scale`),
-                                                             the indexer's block fp8 quantiser
-                                                             (:func:`act_quant`)
+G3    CUDA: JIT ``apply_rope_with_cos_sin_cache_inplace``    the S10 torch rope (same maths, returns
+      of ``kernels.ops.attention.rope``                      new tensors as upstream's torch path
+      (``RotaryEmbedding.forward_cuda``)                     does)
+G4    CUDA: flashinfer's ``fused_topk_deepseek`` in          ``None``, as upstream sets it without
+      ``moe.topk`` (the flashinfer stub would make it look   flashinfer: the router runs upstream's
+      available)                                             Triton ``kernels.ops.moe.moe_fused_gate``
+G5    CUDA: the Triton fused-MoE runner                      :func:`fused_moe_dense`: every expert on
+      (``sgl_kernel.moe_sum_reduce``, JIT                    every token, combined with the top-k
+      ``moe_align_block_size`` and ``silu_and_mul``)         weights (0 elsewhere) and
+      (``UnquantizedFusedMoEMethod.forward_cuda``)           ``routed_scaling_factor`` (fixed shapes)
+G6    CUDA: JIT ``kernels.ops.attention.clamp_position``     upstream's own
+      (decode positions in ``ForwardBatch.init_new``)        ``ClampPositionOp.forward_native`` (the
+                                                             op's instance pinned to it)
+G7    CUDA: JIT ``concat_mla_absorb_q`` in                   ``torch.cat`` (upstream's own branch of
+      ``kernels.ops.attention.utils``                        ``concat_mla_absorb_q_general``)
+C1    CPU only, for speed: upstream Triton kernels that run  torch of the same maths: the index key +
+      per token in the Triton interpreter (100x slower):     scale write into the paged index buffer
+      ``SetKAndS.triton`` of                                 (:func:`set_index_k_and_scale`), the
+      ``kernels.ops.kvcache.dsa_index_k_cache``,             indexer's block fp8 quantiser
+      ``act_quant`` of                                       (:func:`act_quant`)
+      ``kernels.ops.quantization.act_quant_triton``
 ====  =====================================================  =========================================
 
+(No S8: 0.5.23 has no ``Indexer._should_chunk_mqa_logits``. On the CPU platform the MLA KV row write
+already takes upstream's torch ``set_mla_kv_buffer_naive``, so C1 has no memory-pool entry.)
+
 On a CUDA machine without ``sgl_kernel`` (the lent GPU box) the server also needs ``cpu_stubs/``
-(``sgl_kernel`` import placeholders, ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``), ``gpu_stubs/``
-(``flashinfer`` import placeholders) and upstream switches that select existing torch/Triton paths
-(``scripts/tiny_server.py``'s ``server_env`` sets them): ``SGLANG_IS_FLASHINFER_AVAILABLE=0``,
-``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (the indexer's head-gate GEMM in torch),
-``SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0`` (no FA3 MHA prefill: sparse MLA prefill as on the
-CPU), ``SGLANG_USE_FUSED_METADATA_COPY=0`` and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``.
+(``sgl_kernel`` import placeholders with ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``, the ``flash_mla``
+stub), ``gpu_stubs/`` (``flashinfer`` import placeholders) and upstream switches that select existing
+torch/Triton paths (``scripts/tiny_server.py``'s ``GPU_NO_KERNELS_ENV``, set by ``server_env``):
+``SGLANG_IS_FLASHINFER_AVAILABLE=0`` (torch sampling and norms), ``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (no
+DeepGEMM GEMMs or warm-up: the ``deep_gemm`` stand-in only has the indexer logits),
+``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0`` (no FA3 MHA prefill: sparse MLA prefill as on the
+CPU), ``SGLANG_OPT_USE_TOPK_V2=0`` (S5, not the JIT top-k v2), ``SGLANG_DISABLE_DSA_INDEXER_FUSION=1``
+(no JIT indexer q/k fusion) and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``. Upstream's Triton kernels
+(MoE router, DSA decode metadata, KV and index-K writes, allocators, act_quant) run unchanged there.
 
 Batch invariance: the indexer logits and the sparse attention are computed in float64 and rounded
 once, so a request's tokens do not depend on which requests it is batched with (an fp32 matmul's
@@ -408,67 +431,6 @@ def _deepseek_checkpoint_shapes(config):
 
 
 # ------------------------------------------------------------------------------------------------
-# G4: MoE routing (sgl_kernel.moe_fused_gate)
-# ------------------------------------------------------------------------------------------------
-MOE_FUSED_GATE_SCHEMA = (
-    "moe_fused_gate(Tensor input, Tensor bias, int num_expert_group, int topk_group, int topk, "
-    "int num_fused_shared_experts=0, float routed_scaling_factor=0., "
-    "bool apply_routed_scaling_factor_on_output=False) -> (Tensor, Tensor)"
-)
-_SGL_KERNEL_LIB = None
-
-
-def moe_fused_gate(
-    input_tensor: torch.Tensor,
-    bias: torch.Tensor,
-    num_expert_group: int,
-    topk_group: int,
-    topk: int,
-    num_fused_shared_experts: int = 0,
-    routed_scaling_factor: float = 1.0,
-    apply_routed_scaling_factor_on_output: bool = False,
-):
-    """DeepSeek grouped top-k on sigmoid scores plus a correction bias (upstream's
-    ``biased_grouped_topk_impl`` maths; the kernel always renormalises the weights).
-
-    Returns ``(topk_weights fp32 [n, topk], topk_ids int32 [n, topk])``.
-    """
-    assert num_fused_shared_experts == 0, "fused shared experts are not stood in"
-    scores = input_tensor.float().sigmoid()
-    n, e = scores.shape
-    choice = scores + bias.float().unsqueeze(0)
-    group_scores = choice.view(n, num_expert_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = (
-        group_mask.unsqueeze(-1).expand(n, num_expert_group, e // num_expert_group).reshape(n, -1)
-    )
-    masked = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    topk_ids = torch.topk(masked, k=topk, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, topk_ids)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    if apply_routed_scaling_factor_on_output:
-        weights = weights * routed_scaling_factor
-    return weights.to(torch.float32), topk_ids.to(torch.int32)
-
-
-def define_sgl_kernel_ops() -> None:
-    """Define ``torch.ops.sgl_kernel.moe_fused_gate`` (CPU and CUDA kernels = :func:`moe_fused_gate`).
-
-    ``layers/moe/topk.py`` registers a fake for that op at import on CUDA, which fails when the op
-    does not exist; the ``sgl_kernel`` stub calls this when ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``.
-    """
-    global _SGL_KERNEL_LIB
-    if _SGL_KERNEL_LIB is not None or hasattr(torch.ops.sgl_kernel, "moe_fused_gate"):
-        return
-    lib = torch.library.Library("sgl_kernel", "FRAGMENT")
-    lib.define(MOE_FUSED_GATE_SCHEMA)
-    for key in ("CPU", "CUDA"):
-        lib.impl("moe_fused_gate", moe_fused_gate, key)
-    _SGL_KERNEL_LIB = lib
-
-
-# ------------------------------------------------------------------------------------------------
 # G5: fused MoE experts
 # ------------------------------------------------------------------------------------------------
 def fused_moe_dense(
@@ -516,17 +478,6 @@ def _patch_server_args(module) -> None:
         torch.cuda.get_device_capability = lambda device=None: (9, 0)
 
 
-def _patch_nsa_indexer(module) -> None:
-    import deep_gemm
-
-    module._is_cuda = True  # S1 (already true on CUDA)
-    module.Indexer.forward_native = module.Indexer.forward_cuda  # S1: the indexer has no CPU path
-    module.deep_gemm = deep_gemm  # S4
-    module.rotate_activation = rotate_activation  # S3
-    module.can_use_nsa_fused_store = lambda *args, **kwargs: False  # S9
-    module.Indexer._should_chunk_mqa_logits = lambda self, *args, **kwargs: (False, 0)  # S8
-
-
 def _patch_rope_variant(module) -> None:
     def forward_native(self, positions, query, key, offsets=None):  # S10
         pos = torch.add(positions, offsets) if offsets is not None else positions
@@ -549,7 +500,7 @@ def _patch_rope_variant(module) -> None:
         return apply(query), apply(key)
 
     module.DeepseekScalingRotaryEmbedding.forward_native = forward_native
-    if torch.cuda.is_available():  # G3: the JIT rope kernel is not available
+    if torch.cuda.is_available():  # G3: the JIT rope kernel (RotaryEmbedding.forward_cuda)
 
         def forward_cuda(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
             assert fused_set_kv_buffer_arg is None, "fused rope + KV store is not stood in"
@@ -563,19 +514,18 @@ def _patch_loader(module) -> None:
 
 
 def _patch_layernorm(module) -> None:
-    if torch.cuda.is_available():  # G1
+    if torch.cuda.is_available():  # G1: sgl_kernel rmsnorm / fused_add_rmsnorm
         module.RMSNorm.forward_cuda = module.RMSNorm.forward_native
 
 
 def _patch_activation(module) -> None:
-    if torch.cuda.is_available():  # G2
+    if torch.cuda.is_available():  # G2: JIT silu_and_mul (sgl_kernel's for other widths)
         module.SiluAndMul.forward_cuda = module.SiluAndMul.forward_native
 
 
 def _patch_topk(module) -> None:
-    if torch.cuda.is_available():  # G4
+    if torch.cuda.is_available():  # G4: the flashinfer stub must not look like flashinfer's top-k
         module.fused_topk_deepseek = None
-        module.moe_fused_gate = moe_fused_gate
 
 
 def _patch_unquant(module) -> None:
@@ -603,18 +553,13 @@ def _patch_unquant(module) -> None:
     module.UnquantizedFusedMoEMethod.forward_cuda = forward_cuda
 
 
-def _patch_overlap_utils(module) -> None:
-    if torch.cuda.is_available():  # G6
-        module._resolve_future_token_ids = module._resolve_future_token_ids_native
-
-
-def _patch_forward_batch_info(module) -> None:
-    if torch.cuda.is_available():  # G6
-        module.clamp_position = module._clamp_position_native
+def _patch_clamp_position(module) -> None:
+    if torch.cuda.is_available():  # G6: pin the op to its torch path (upstream's documented pin)
+        module._CLAMP_POSITION._forward_method = module._CLAMP_POSITION.forward_native
 
 
 def _patch_attention_utils(module) -> None:
-    if torch.cuda.is_available():  # G7
+    if torch.cuda.is_available():  # G7: concat_mla_absorb_q_general's torch.cat branch
         module.concat_mla_absorb_q = lambda q_nope, q_rope: torch.cat([q_nope, q_rope], dim=-1)
 
 
@@ -634,12 +579,6 @@ def act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: Optional[str] =
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     y = (groups / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return y.reshape(x.shape), scale.squeeze(-1)
-
-
-def set_mla_kv_buffer(kv_buffer, loc, cache_k_nope, cache_k_rope) -> None:
-    """``mem_cache.utils.set_mla_kv_buffer_triton``: row ``loc[i]`` = ``[nope_i, rope_i]``."""
-    rows = torch.cat([cache_k_nope, cache_k_rope], dim=-1)
-    kv_buffer[loc.long()] = rows.reshape(loc.numel(), *kv_buffer.shape[1:]).to(kv_buffer.dtype)
 
 
 def set_index_k_and_scale(pool, buf, loc, index_k, index_k_scale) -> None:
@@ -664,22 +603,12 @@ def _cpu_only(patch: Callable) -> Callable:
 
 
 @_cpu_only
-def _patch_memory_pool(module) -> None:
-    module.set_mla_kv_buffer_triton = set_mla_kv_buffer
-
-
-@_cpu_only
 def _patch_index_buf_accessor(module) -> None:
     module.SetKAndS.triton = classmethod(
         lambda cls, pool, buf, loc, index_k, index_k_scale: set_index_k_and_scale(
             pool, buf, loc, index_k, index_k_scale
         )
     )
-
-
-@_cpu_only
-def _patch_nsa_triton_kernel(module) -> None:
-    module.act_quant = act_quant
 
 
 def _patch_dsa_indexer(module) -> None:
@@ -712,6 +641,7 @@ def _replace_in_method(module, cls, name: str, old: str, new: str) -> None:
     """Recompile ``cls.name`` from its source with the one line ``old`` replaced by ``new`` (fails
     loudly if ``old`` is not found exactly once, so an upstream change cannot slip through)."""
     import __future__
+
     import inspect
     import textwrap
 
@@ -745,8 +675,6 @@ def _patch_mooncake_conn(module) -> None:
 
 PATCHES: Dict[str, Callable] = {
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
-    # (0.5.23: no memory_pool patch: on the CPU platform, supports_triton=False, the MLA KV row write
-    # already takes upstream's torch `set_mla_kv_buffer_naive`.)
     # 0.5.23 module moves: nsa.index_buf_accessor -> kernels.ops.kvcache.dsa_index_k_cache,
     # nsa.triton_kernel.act_quant -> kernels.ops.quantization.act_quant_triton
     "sglang.kernels.ops.kvcache.dsa_index_k_cache": _patch_index_buf_accessor,
@@ -755,6 +683,13 @@ PATCHES: Dict[str, Callable] = {
     "sglang.srt.layers.attention.dsa.dsa_indexer": _patch_dsa_indexer,
     "sglang.srt.model_loader.loader": _patch_loader,
     "sglang.srt.layers.rotary_embedding.rope_variant": _patch_rope_variant,
+    # G1-G7: CUDA only (each patch checks torch.cuda.is_available())
+    "sglang.srt.layers.layernorm": _patch_layernorm,
+    "sglang.srt.layers.activation": _patch_activation,
+    "sglang.srt.layers.moe.topk": _patch_topk,
+    "sglang.srt.layers.quantization.unquant": _patch_unquant,
+    "sglang.kernels.ops.attention.clamp_position": _patch_clamp_position,
+    "sglang.kernels.ops.attention.utils": _patch_attention_utils,
 }
 
 
@@ -786,7 +721,7 @@ _TRACED = (
     "hadamard_transform rotate_activation fp8_mqa_logits fp8_paged_mqa_logits "
     "get_paged_mqa_logits_metadata get_num_sms fast_topk_v2 fast_topk_transform_fused "
     "fast_topk_transform_ragged_fused flash_mla_sparse_fwd initialize_dummy_weights act_quant "
-    "set_mla_kv_buffer set_index_k_and_scale"
+    "set_index_k_and_scale fused_moe_dense"
 ).split()
 
 
@@ -806,7 +741,11 @@ def _trace_first_calls() -> None:
             def traced(*args, **kwargs):
                 if not seen:
                     seen.append(1)
-                    print(f"[standin] pid {os.getpid()} first call: {name}", file=sys.stderr, flush=True)
+                    print(
+                        f"[standin] pid {os.getpid()} first call: {name}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return fn(*args, **kwargs)
 
             return traced

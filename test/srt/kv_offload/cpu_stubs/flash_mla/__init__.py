@@ -2,10 +2,9 @@
 
 ``sglang.kernels.ops.attention.flash_mla_interface`` imports it at module level; the DSA backend's
 ``flashmla_sparse`` prefill/decode calls ``flash_mla.flash_mla_sparse_fwd`` through it (S6: the torch
-reference). Every other name is a placeholder that raises when called.
+reference, imported at the first call: ``standins/`` is on the path in the server processes only).
+Every other name is a placeholder that raises when called.
 """
-
-from kv_offload_standins import flash_mla_sparse_fwd as _sparse_fwd
 
 __version__ = "0.0.0+cpustub"
 
@@ -15,6 +14,8 @@ def flash_mla_sparse_fwd(
     return_log2_lse=None,
 ):
     import math
+
+    from kv_offload_standins import flash_mla_sparse_fwd as _sparse_fwd
 
     out, max_logits, lse = _sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     if return_log2_lse:  # the legacy kernel's statistics are base 2

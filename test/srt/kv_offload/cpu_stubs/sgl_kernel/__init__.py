@@ -74,18 +74,9 @@ if os.environ.get("KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES") == "1":
         return __getattr__
 
     _placeholder = _module_getattr(__name__)
-    # Ops the tiny real server calls on CUDA that upstream also reaches as torch.ops.sgl_kernel.* (G4
-    # in kv_offload_standins: topk.py registers a fake for moe_fused_gate at import, which needs the op).
-    _OP_STANDINS = ("moe_fused_gate",)
-    try:
-        import kv_offload_standins as _standins
-
-        _standins.define_sgl_kernel_ops()
-    except ImportError:  # the stand-ins are not on the path: imports only
-        _standins = None
 
     def __getattr__(name):  # noqa: F811
-        if name in _TOPK_STANDINS or (_standins is not None and name in _OP_STANDINS):
+        if name in _TOPK_STANDINS:
             import kv_offload_standins
 
             return getattr(kv_offload_standins, name)
