@@ -504,7 +504,10 @@ def server_args(topk: Optional[int], slots: int, offload: bool, a: argparse.Name
         "--context-length", str(a.max_ctx + a.max_new_tokens + 256),
         "--max-total-tokens", str(a.max_total_tokens),
         "--max-running-requests", str(a.num_requests),
-        "--cuda-graph-max-bs", str(a.num_requests),
+        "--cuda-graph-max-bs-decode", str(a.num_requests),
+        # 0.5.23 also captures prefill graphs (breakable CUDA graphs), which need sgl_kernel's
+        # weak_ref_tensor; decode graphs (what kv offload runs in) are unaffected.
+        "--disable-prefill-cuda-graph",
         "--chunked-prefill-size", str(a.chunked_prefill_size),
         "--mem-fraction-static", str(a.mem_fraction_static),
         "--decode-log-interval", str(a.decode_log_interval),
