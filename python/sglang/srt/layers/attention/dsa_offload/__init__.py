@@ -1,1 +1,1 @@
-"""NSA attention backend adapter for ``--enable-kv-offload``: :class:`adapter.DSAOffloadAdapter`."""
+"""DSA attention backend adapter for ``--enable-kv-offload``: :class:`adapter.DSAOffloadAdapter`."""
