@@ -218,7 +218,7 @@ class Point:
                 max_bs=bs,
                 prefetch_next_layer=prefetch,
             )
-            self.adapters[prefetch] = DSAOffloadAdapter(coord)
+            self.adapters[prefetch] = DSAOffloadAdapter(coord, a.prefetch_stream_priority)
         admitting = self.adapters[False].coordinator
         for r in range(bs):
             locs = self.alloc.alloc_extend_to_host(ctx)
@@ -325,10 +325,12 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             hisparse.reset()
         controller.prefetch_load_config = default_prefetch
         if "@" in variant and device.type == "cuda":
-            per_sm = int(variant.split("@")[1])
+            per_sm, _, rows = variant.split("@")[1].partition(":")
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             controller.prefetch_load_config = dataclasses.replace(
-                default_prefetch, num_programs=per_sm * sms
+                default_prefetch,
+                num_programs=max(1, round(float(per_sm) * sms)),
+                rows_per_program=int(rows or default_prefetch.rows_per_program),
             )
         times, graph = [], None
         cuda = device.type == "cuda"
@@ -412,9 +414,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument(
         "--prefetch-programs-per-sm",
-        type=lambda text: [int(x) for x in text.split(",") if x],
+        type=lambda text: [x for x in text.split(",") if x],
         default=[],
-        help="also time the prefetch load with these grids (programs per SM), e.g. 1,8,128",
+        help="also time the prefetch load with these grids: programs per SM[:rows per program], "
+        "e.g. 0.25,1,1:8,128",
+    )
+    p.add_argument(
+        "--prefetch-stream-priority",
+        type=int,
+        default=None,
+        help="CUDA priority of the prefetch side stream (default: the adapter's, the highest)",
     )
     p.add_argument("--compute-scale", type=float, default=1.0, help="scale the compute stand-in")
     p.add_argument("--seed", type=int, default=0)

@@ -81,3 +81,78 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
     assert prefetch["prefetched_rows_per_layer"] > 0
     assert prefetch["loaded_rows_per_layer"] < plain["loaded_rows_per_layer"]
     assert row["trace_stats"]["adjacent_layer_overlap"] > 0.7
+
+
+def test_layer_budget_replay_matches_the_plan_reference_hit_for_hit():
+    """bench_layer_budgets' vectorised LRU replays a trace exactly as the plan's torch reference
+    (``lru_ref.plan_layer_ref``, which the plan kernel matches bit for bit) does, with a
+    different slot budget per request."""
+    import bench_layer_budgets as budgets
+    from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import plan_layer_ref
+    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
+
+    cfg = traces.TraceConfig(**{**SMALL, "layers": 1, "steps": 12, "churn": 0.5})
+    trace = traces.generate(cfg)[:, 0]  # (steps, batch, topk)
+    capacity = torch.tensor([cfg.topk, cfg.topk + 96])
+    got = budgets.lru_hits(trace, capacity, cfg.context, first=2)
+
+    # Request b's position p is logical loc b * context + p; every loc has a host copy, none a
+    # tail row; each request owns its budget's slots.
+    n, num_locs = int(capacity.max()), cfg.batch * cfg.context
+    state = LayerState(
+        loc_to_slot=torch.full((num_locs,), -1, dtype=torch.int32),
+        slot_loc=torch.full((cfg.batch, n), -1, dtype=torch.int32),
+        lru=torch.arange(n, dtype=torch.int16).repeat(cfg.batch, 1),
+        out_cache_loc_sparse=torch.arange(cfg.batch * n, dtype=torch.int32).view(cfg.batch, n),
+        num_slots=capacity.to(torch.int32),
+    )
+    host = torch.arange(num_locs, dtype=torch.int64)
+    tails = torch.full((num_locs,), -1, dtype=torch.int64)
+    first_loc = torch.arange(cfg.batch)[:, None] * cfg.context
+    want = torch.zeros(cfg.batch, dtype=torch.int64)
+    for t in range(cfg.steps):
+        res = plan_layer_ref(
+            (trace[t] + first_loc).to(torch.int32),
+            torch.arange(cfg.batch),
+            torch.tensor([cfg.batch], dtype=torch.int32),
+            host,
+            tails,
+            state,
+        )
+        assert int(res.error_flags[0]) == 0
+        if t >= 2:
+            want += cfg.topk - res.num_misses.to(torch.int64)
+    assert got.tolist() == want.tolist()
+    assert got[1] > got[0]  # the larger budget holds more of the returns
+
+
+def test_layer_budget_split_follows_the_measured_gains():
+    import bench_layer_budgets as budgets
+
+    steps = [256, 384, 512, 640]
+    curves = torch.tensor([[100, 101, 102, 103], [100, 180, 240, 260], [100, 150, 170, 175]])
+    split = budgets.split_budget(curves, steps, total=3 * 384)
+    assert sum(split) <= 3 * 384 and min(split) >= 256
+    assert split == [256, 512, 384]  # slots go where they buy the most hits
+    with pytest.raises(ValueError, match="cannot give"):
+        budgets.split_budget(curves, steps, total=3 * 256 - 1)
+    with pytest.raises(ValueError, match="below top-k"):
+        budgets.lru_hits(torch.zeros((1, 1, 8), dtype=torch.int32), torch.tensor([4]), 16, 0)
+
+
+def test_bench_layer_budgets_runs_and_reports_its_trace(tmp_path):
+    out = tmp_path / "budgets.json"
+    cmd = [
+        sys.executable, str(BENCH_DIR / "bench_layer_budgets.py"),
+        "--batch", "1", "--ctx", "4096", "--topk", "256", "--slots", "512", "--max-slots", "1024",
+        "--unit", "128", "--layers", "3", "--calibrate", "6", "--steps", "6", "--warm", "2",
+        "--churn-spread", "0.5,1.0", "--out", str(out),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["args"]["churn_spread"] for r in rows] == [0.5, 1.0]
+    for r in rows:
+        assert sum(r["split_measured"]) <= 3 * 512 and min(r["split_measured"]) >= 256
+        assert all(0 < h < 1 for h in r["hit_rate"].values())
+        assert len(r["trace_stats"]["churn_per_layer"]) == 3

@@ -28,6 +28,8 @@ layer's plan waits for the prefetch (an event, captured into the CUDA graph as a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
@@ -43,9 +45,17 @@ class DSAOffloadAdapter:
     Args:
         coordinator: the server's :class:`KVOffloadCoordinator` (request state, LRU, plan
             workspace and controller); the adapter only reads and plans, on the forward stream.
+        prefetch_stream_priority: CUDA priority of the cross-layer prefetch's side stream; by
+            default the device's highest, so that its programs take SMs as the layer's compute
+            kernels release them instead of queueing behind them (benchmark/kv_offload/
+            bench_exposed.py --prefetch-stream-priority compares).
     """
 
-    def __init__(self, coordinator: KVOffloadCoordinator) -> None:
+    def __init__(
+        self,
+        coordinator: KVOffloadCoordinator,
+        prefetch_stream_priority: Optional[int] = None,
+    ) -> None:
         self.coordinator = coordinator
         device = coordinator.device
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
@@ -57,7 +67,11 @@ class DSAOffloadAdapter:
             None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
         on_cuda = device.type == "cuda"
-        self._side_stream = torch.cuda.Stream(device) if ws is not None and on_cuda else None
+        self._side_stream = None
+        if ws is not None and on_cuda:
+            if prefetch_stream_priority is None:
+                prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
+            self._side_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
         self._prefetch_done = torch.cuda.Event() if self._side_stream is not None else None
         self._prefetch_in_flight = False
 
