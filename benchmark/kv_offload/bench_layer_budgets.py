@@ -142,8 +142,10 @@ def run(a) -> Dict:
     if a.slots not in budgets:
         raise ValueError(f"--slots {a.slots} is not top-k plus a multiple of --unit {a.unit}")
     total = a.slots * a.layers
-    measured = split_budget(hit_curves(calib, budgets, a.ctx, a.warm), budgets, total)
+    curves = hit_curves(calib, budgets, a.ctx, a.warm)
+    measured = split_budget(curves, budgets, total)
     oracle = split_budget(hit_curves(test, budgets, a.ctx, a.warm), budgets, total)
+    counted = (a.calibrate - a.warm) * a.batch * a.topk
     # The evaluated steps continue the calibration's caches: replay the whole trace and count the
     # evaluated steps only.
     first = a.calibrate + a.warm
@@ -155,6 +157,10 @@ def run(a) -> Dict:
     return dict(
         args=vars(a),
         trace_stats=stats,
+        # Calibration hit rate per layer at each uniform budget: the curves the split reads.
+        budgets=budgets,
+        layer_hit_curves=(curves.double() / counted).tolist(),
+        uniform_hit_curve=(curves.sum(dim=0).double() / (counted * a.layers)).tolist(),
         split_measured=measured,
         split_oracle=oracle,
         hit_rate=result,
@@ -209,7 +215,8 @@ def main() -> None:
             f"{min(r['trace_stats']['churn_per_layer']):.2f}-"
             f"{max(r['trace_stats']['churn_per_layer']):.2f}; hit rate uniform {h['uniform']:.4f}, "
             f"per-layer {h['per_layer']:.4f} ({r['gain_points']:+.2f} points), oracle "
-            f"{h['oracle']:.4f}; split {r['split_measured']}",
+            f"{h['oracle']:.4f}; split {r['split_measured']}; uniform hit rate by slots "
+            + ", ".join(f"{b}: {x:.3f}" for b, x in zip(r["budgets"], r["uniform_hit_curve"])),
             flush=True,
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

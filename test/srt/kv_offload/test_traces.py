@@ -156,3 +156,7 @@ def test_bench_layer_budgets_runs_and_reports_its_trace(tmp_path):
         assert sum(r["split_measured"]) <= 3 * 512 and min(r["split_measured"]) >= 256
         assert all(0 < h < 1 for h in r["hit_rate"].values())
         assert len(r["trace_stats"]["churn_per_layer"]) == 3
+        curve = r["uniform_hit_curve"]
+        assert r["budgets"] == list(range(256, 1025, 128)) and len(r["layer_hit_curves"]) == 3
+        assert len(curve) == len(r["layer_hit_curves"][0]) == len(r["budgets"])
+        assert curve[-1] > curve[0]  # twice the slots hold more of the returns
