@@ -11,7 +11,8 @@ within 0.05 points on these traces; see docs/kv_offload.md) and compares, on the
   measured on the first ``--calibrate`` steps at several budgets, then slots go, in ``--unit``
   steps, to whichever layer gains the most hits from them (greedy on the measured marginal gains),
   never below top-k (a step's selection must fit);
-* ``oracle``: the same split computed on the evaluated steps themselves (an upper bound).
+* ``oracle``: the split that the evaluated steps' own hit curves (measured from cold caches) pick:
+  what knowing the future would buy.
 
 Hit rates are counted after ``--warm`` steps (cold caches excluded) on the steps after the
 calibration. The LRU is a torch replay (a recency per position, evict the least
