@@ -79,17 +79,21 @@ def lru_hits(trace: torch.Tensor, capacity: torch.Tensor, context: int, first: i
     return hits
 
 
+def layer_hits(trace: torch.Tensor, split: Sequence[int], context: int, first: int) -> torch.Tensor:
+    """``(layers,)`` hits of each layer of ``trace`` (``(steps, layers, batch, topk)``, all
+    requests) with ``split[layer]`` slots per request, counted from step ``first`` on."""
+    steps, layers, batch, topk = trace.shape
+    cap = torch.tensor(split, dtype=torch.int64).repeat_interleave(batch)
+    hits = lru_hits(trace.reshape(steps, layers * batch, topk), cap, context, first)
+    return hits.view(layers, batch).sum(dim=1)
+
+
 def hit_curves(
     trace: torch.Tensor, budgets: Sequence[int], context: int, first: int
 ) -> torch.Tensor:
     """``(layers, len(budgets))`` hits of each layer (all requests) at each per-request budget."""
-    steps, layers, batch, topk = trace.shape
-    rows = trace.reshape(steps, layers * batch, topk)
-    out = torch.zeros(layers, len(budgets), dtype=torch.int64)
-    for j, b in enumerate(budgets):
-        cap = torch.full((layers * batch,), b, dtype=torch.int64)
-        out[:, j] = lru_hits(rows, cap, context, first).view(layers, batch).sum(dim=1)
-    return out
+    layers = trace.shape[1]
+    return torch.stack([layer_hits(trace, [b] * layers, context, first) for b in budgets], dim=1)
 
 
 def split_budget(curves: torch.Tensor, budgets: Sequence[int], total: int) -> List[int]:
@@ -118,8 +122,7 @@ def split_budget(curves: torch.Tensor, budgets: Sequence[int], total: int) -> Li
 def evaluate(trace: torch.Tensor, split: Sequence[int], context: int, first: int) -> float:
     """Hit rate of ``trace`` (``(steps, layers, batch, topk)``) with per-layer budgets ``split``."""
     steps, layers, batch, topk = trace.shape
-    cap = torch.tensor(split, dtype=torch.int64).repeat_interleave(batch)
-    hits = lru_hits(trace.reshape(steps, layers * batch, topk), cap, context, first)
+    hits = layer_hits(trace, split, context, first)
     return int(hits.sum()) / ((steps - first) * layers * batch * topk)
 
 
