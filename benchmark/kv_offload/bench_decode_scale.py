@@ -16,9 +16,12 @@ Run on the GPU machine (``source scripts/gpu_env.sh`` first). For each ``(batch,
    GPU LRU and coordinator at that batch. Prompts are written to physical rows and admitted (the
    prompt backup is timed), then decode steps run: ``alloc_decode`` + ``before_decode_step`` (page
    backups) and, for every layer, ``swap_in_selected_pages`` (positions -> locs, plan, grouped H2D)
-   replayed from one CUDA graph. Top-k positions follow a controlled churn trace (each step replaces
-   ``churn`` of the previous step's top-k per layer, as in bench_lru), because random weights give no
-   realistic top-k. Reported per layer and per 61-layer step, beside the time of the attention-side
+   replayed from one CUDA graph. Random weights give no realistic top-k, so the positions follow a
+   trace (``--trace``): ``uniform`` replaces ``churn`` of the previous step's top-k per layer with
+   never-seen positions (as in bench_lru); ``realistic`` is ``traces.py`` (sinks, local window,
+   drifting relevance with returns, churn that differs by layer, adjacent layers sharing most of
+   their top-k; its measured churn, overlap and returns are reported). Reported per layer and per
+   61-layer step, beside the time of the attention-side
    compute of the same layer written with torch ops (indexer scores over the whole context, top-k,
    sparse MLA over 2048 rows, 128 heads): production kernels are faster, so the share of the step
    given here is a lower bound.
@@ -191,17 +194,46 @@ def memory_point(bs: int, ctx: int, a) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ timing
-def _traces(
-    bs: int, ctx: int, topk: int, churn: float, steps: int, seed: int
+def _uniform_traces(
+    bs: int, ctx: int, topk: int, churn: float, steps: int, seed: int, device: str
 ) -> List[torch.Tensor]:
     """Per step ``(bs, topk)`` int32 positions in ``[0, ctx)`` (bench_lru's generator, chunked)."""
     from bench_lru import make_traces
 
     parts = [
-        make_traces(min(16, bs - s), ctx, topk, churn, steps, "cuda", seed + s)
+        make_traces(min(16, bs - s), ctx, topk, churn, steps, device, seed + s)
         for s in range(0, bs, 16)
     ]
     return [torch.cat([p[i] for p in parts]) for i in range(steps)]
+
+
+def layer_traces(
+    bs: int, ctx: int, layers: int, a, device: str = "cuda"
+) -> Tuple[List[List[torch.Tensor]], Dict]:
+    """``[layer][step]`` ``(bs, topk)`` int32 positions in ``[0, ctx)`` and what the trace has."""
+    if a.trace == "uniform":
+        per_layer = [
+            _uniform_traces(bs, ctx, a.topk, a.churn, a.steps, a.seed + 7 * layer, device)
+            for layer in range(layers)
+        ]
+        return per_layer, dict(kind="uniform", churn=a.churn)
+    import traces as realistic
+
+    cfg = realistic.TraceConfig(
+        batch=bs, context=ctx, topk=a.topk, layers=layers, steps=a.steps, churn=a.churn, seed=a.seed
+    )
+    trace = realistic.generate(cfg, device=device).to(device)  # (steps, layers, bs, topk)
+    stats = realistic.measure(trace[:, :, :1].cpu())
+    churn = stats["churn_per_layer"]
+    info = dict(
+        kind="realistic",
+        churn_knob=a.churn,
+        churn_per_layer_min=min(churn),
+        churn_per_layer_max=max(churn),
+        adjacent_layer_overlap=stats["adjacent_layer_overlap"],
+        returns=stats["returns"],
+    )
+    return [[trace[t, layer] for t in range(a.steps)] for layer in range(layers)], info
 
 
 def _attention_side_ms(bs: int, ctx: int, a, kv_rows: torch.Tensor) -> float:
@@ -229,6 +261,7 @@ def _attention_side_ms(bs: int, ctx: int, a, kv_rows: torch.Tensor) -> float:
 def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     layers = a.host_layers
     out: Dict[str, Any] = dict(bs=bs, ctx=ctx, host_layers=layers, churn=a.churn, steps=a.steps)
+    out["trace"] = a.trace
     max_ctx = ctx + a.steps + ne.PAGE
     t0 = time.time()
     st = OffloadStack(
@@ -282,10 +315,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
         layers,
     )
 
-    traces = [
-        _traces(bs, ctx - ne.PAGE, a.topk, a.churn, a.steps, a.seed + 7 * layer)
-        for layer in range(layers)
-    ]
+    traces, out["trace_stats"] = layer_traces(bs, ctx - ne.PAGE, layers, a)
     topk_static = [torch.empty((bs, a.topk), dtype=torch.int32, device=dev) for _ in range(layers)]
     rpi = torch.arange(bs, dtype=torch.int64, device=dev)
     seq_t = torch.tensor(lens, dtype=torch.int64, device=dev)
@@ -448,7 +478,9 @@ def plot(res: Dict[str, Any], path: str) -> None:
     )
     ax.set_xticks(tx, tl)
     ax.set_ylabel("ms per layer")
-    ax.set_title("Offload time per layer (10 % churn, 61-layer host pool)")
+    args = res.get("args_timing") or res["args"]
+    trace = args.get("trace", "uniform")
+    ax.set_title(f"Offload time per layer ({trace} trace, churn {args['churn']:g})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -469,7 +501,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=8,
         help="layers of the timed stack (host pool pinned for these layers)",
     )
-    p.add_argument("--churn", type=float, default=0.1)
+    p.add_argument(
+        "--trace",
+        choices=["uniform", "realistic"],
+        default="uniform",
+        help="top-k trace: uniform churn (bench_lru) or traces.py's realistic model",
+    )
+    p.add_argument(
+        "--churn", type=float, default=0.1, help="top-k churn per step (the realistic model's knob)"
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warm", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

@@ -26,6 +26,8 @@ starts from the same cold sparse state and replays the same steps (warm-up steps
     source scripts/gpu_env.sh
     python3 benchmark/kv_offload/bench_exposed.py --out results/bench_exposed-h200.json
 
+writes the JSON and a plot next to it (``--plot-only JSON`` redraws it).
+
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
 """
@@ -399,6 +401,51 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     return out
 
 
+def plot(rows: List[Dict], path: Path) -> None:
+    """Exposed ms per layer by batch size, one panel per context: ours, ours + prefetch, HiSparse."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[skip] matplotlib not importable: no plot")
+        return
+    contexts = sorted({r["ctx"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False)
+    series = [
+        ("offload", "kv offload"),
+        ("offload+prefetch", "kv offload + prefetch"),
+        ("hisparse-0.5.23", "HiSparse 0.5.23"),
+    ]
+    width = 0.8 / len(series)
+    for ax, ctx in zip(axes[0], contexts):
+        points = [r for r in rows if r["ctx"] == ctx]
+        x = range(len(points))
+        for i, (key, label) in enumerate(series):
+            if not all(key in r for r in points):
+                continue
+            ax.bar(
+                [j + (i - 1) * width for j in x],
+                [r[key]["exposed_ms_per_layer"] for r in points],
+                width,
+                label=label,
+            )
+        ax.plot(
+            list(x),
+            [r["compute"]["ms_per_layer"] for r in points],
+            "k.--",
+            label="layer compute (stand-in)",
+        )
+        ax.set_xticks(list(x), [f"bs {r['bs']}" for r in points])
+        ax.set_ylabel("ms per layer")
+        ax.set_title(f"Exposed offload time per layer, ctx {ctx // 1024}K")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[plot] {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -433,11 +480,23 @@ def main() -> None:
         help="SGLang 0.5.23 sources for its HiSparse kernel (skipped when absent)",
     )
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_exposed.json"))
+    p.add_argument("--plot-only", metavar="JSON", help="only draw the plot of a results file")
     a = p.parse_args()
+    if a.plot_only:
+        plot(
+            json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png")
+        )
+        return
     prepare_environment(a.device)
     device = torch.device(a.device)
     hisparse_fn = load_hisparse(a.hisparse_src) if device.type == "cuda" else None
-    rows = []
+    rows: List[Dict] = []
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        args=vars(a),
+        torch=torch.__version__,
+    )
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for ctx in (int(x) for x in a.ctx.split(",")):
         for bs in (int(x) for x in a.bs.split(",")):
             if bs * ctx > a.max_tokens:
@@ -445,6 +504,7 @@ def main() -> None:
                 continue
             r = run_point(a, bs, ctx, device, hisparse_fn)
             rows.append(r)
+            Path(a.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))  # per point
             c, o, f = r["compute"], r["offload"], r["offload+prefetch"]
             print(
                 f"bs {bs:4d} ctx {ctx:7d}: compute {c['ms_per_layer']:.3f} ms/layer; exposed "
@@ -465,14 +525,8 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    meta = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        args=vars(a),
-        torch=torch.__version__,
-    )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {a.out}")
+    plot(rows, Path(a.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":
