@@ -11,7 +11,8 @@ CUDA green contexts partition the SMs. On the GPU machine, this times
 
 each alone and both at once: on two ordinary streams (the copy's at the highest priority, as the
 prefetch runs today), and for each ``n`` in ``--copy-sms`` with the copy on a green context of
-``n`` SMs and the compute on a green context of the other SMs (:class:`SmPartition`). ``overlap = (compute + copy - both) /
+``n`` SMs and the compute on a green context of the other SMs (:class:`SmPartition`), or on an
+ordinary stream over every SM (``green-copy-only``: only the copy's stream changed). ``overlap = (compute + copy - both) /
 min(compute, copy)``: 1 when the shorter one hides completely, 0 when they serialize. A mode that
 cannot run (no green-context support in the driver) is recorded with its error.
 
@@ -198,6 +199,7 @@ def main() -> None:
         )
 
     high = torch.cuda.Stream.priority_range()[1]
+    main = torch.cuda.Stream()
     record(
         "streams",
         lambda: dict(
@@ -209,6 +211,9 @@ def main() -> None:
     )
     for n in (int(v) for v in a.copy_sms.split(",")):
         record("green", lambda n=n: partition(n))
+    for n in (int(v) for v in a.copy_sms.split(",")):
+        # Only the copy confined (what swapping the prefetch's side stream alone would give).
+        record("green-copy-only", lambda n=n: dict(partition(n), compute_sms=sms, compute=main))
     full = res["modes"][0]
     if "compute_ms" in full:
         for m in res["modes"]:
