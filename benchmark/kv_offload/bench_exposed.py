@@ -301,8 +301,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 rows = hisparse(topk[layer], layer)
                 compute(hisparse.device_rows[layer].view(-1, FP8_ROW_BYTES), rows)
                 continue
-            adapter = point.adapters[variant.startswith("offload+prefetch")]
-            rows = adapter.swap_in_selected_pages(rpi, seq, topk[layer], layer)
+            rows = adapters[variant].swap_in_selected_pages(rpi, seq, topk[layer], layer)
             compute(kv_rows, rows)
 
     out: Dict = dict(
@@ -320,13 +319,37 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
+    adapters = {"offload": point.adapters[False]}
+    adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
+    green: List[str] = []
+    for n in a.prefetch_green_sms:
+        # The prefetch on a green context of n SMs (its grid: the miss load's), the compute on all.
+        from probe_sm_partition import SmPartition
+
+        from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
+
+        variant = f"offload+prefetch@green{n}"
+        try:
+            part = SmPartition(n, device.index or 0)
+        except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
+            out[variant] = dict(error=f"{type(e).__name__}: {e}")
+            continue
+        adapters[variant] = DSAOffloadAdapter(
+            point.adapters[True].coordinator, prefetch_stream=part.copy_stream
+        )
+        adapters[variant].num_real_reqs.fill_(bs)
+        adapters[variant].sm_partition = part  # keep the green contexts alive
+        green.append(variant)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
-    for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs):
+    # Green-context variants last: a capture that fails there leaves the others measured.
+    for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
         point.reset()
         if hisparse is not None:
             hisparse.reset()
         controller.prefetch_load_config = default_prefetch
-        if "@" in variant and device.type == "cuda":
+        if "@green" in variant:
+            controller.prefetch_load_config = controller.load_config
+        elif "@" in variant and device.type == "cuda":
             per_sm, _, rows = variant.split("@")[1].partition(":")
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             controller.prefetch_load_config = dataclasses.replace(
@@ -337,18 +360,24 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         times, graph = [], None
         cuda = device.type == "cuda"
         if cuda:
-            topk.copy_(trace[0])
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step(variant)  # compile and warm outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            point.reset()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(variant)
-            torch.cuda.synchronize()
+            try:
+                topk.copy_(trace[0])
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    step(variant)  # compile and warm outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                point.reset()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step(variant)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                if variant not in green:
+                    raise
+                out[variant] = dict(error=f"{type(e).__name__}: {e}")
+                continue
             point.reset()
             if hisparse is not None:
                 hisparse.reset()
@@ -390,8 +419,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             )
         out[variant] = entry
     base = out["compute"]["ms_per_layer"]
-    for variant in ("offload", "offload+prefetch", *sweep, *theirs):
-        out[variant]["exposed_ms_per_layer"] = out[variant]["ms_per_layer"] - base
+    for variant in ("offload", "offload+prefetch", *sweep, *theirs, *green):
+        if "ms_per_layer" in out[variant]:
+            out[variant]["exposed_ms_per_layer"] = out[variant]["ms_per_layer"] - base
     if hisparse is not None:
         ours, hs = out["offload"]["exposed_ms_per_layer"], out["hisparse-0.5.23"]
         hs["exposed_vs_ours"] = hs["exposed_ms_per_layer"] / max(ours, 1e-9)
@@ -467,6 +497,12 @@ def main() -> None:
         "e.g. 0.25,1,1:8,128",
     )
     p.add_argument(
+        "--prefetch-green-sms",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
+        help="also time the prefetch on a green context of this many SMs (CUDA), e.g. 8,16",
+    )
+    p.add_argument(
         "--prefetch-stream-priority",
         type=int,
         default=None,
@@ -514,7 +550,7 @@ def main() -> None:
                 f"(+{f['prefetched_rows_per_layer']:.0f} prefetched); hit {o['hit_rate']:.3f}"
                 f" / {f['hit_rate']:.3f}"
                 + "".join(
-                    f"; {k.split('+')[1]} {v['exposed_ms_per_layer']:.3f}"
+                    f"; {k.split('+')[1]} {v.get('exposed_ms_per_layer', v.get('error'))}"
                     for k, v in r.items()
                     if k.startswith("offload+prefetch@")
                 )

@@ -49,12 +49,15 @@ class DSAOffloadAdapter:
             default the device's highest, so that its programs take SMs as the layer's compute
             kernels release them instead of queueing behind them (benchmark/kv_offload/
             bench_exposed.py --prefetch-stream-priority compares).
+        prefetch_stream: the side stream itself, e.g. one on an SM partition (a green context,
+            benchmark/kv_offload/probe_sm_partition.py); replaces the priority stream.
     """
 
     def __init__(
         self,
         coordinator: KVOffloadCoordinator,
         prefetch_stream_priority: Optional[int] = None,
+        prefetch_stream: Optional[torch.cuda.Stream] = None,
     ) -> None:
         self.coordinator = coordinator
         device = coordinator.device
@@ -67,8 +70,8 @@ class DSAOffloadAdapter:
             None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
         on_cuda = device.type == "cuda"
-        self._side_stream = None
-        if ws is not None and on_cuda:
+        self._side_stream = prefetch_stream if ws is not None and on_cuda else None
+        if ws is not None and on_cuda and prefetch_stream is None:
             if prefetch_stream_priority is None:
                 prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
             self._side_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
