@@ -448,15 +448,19 @@ def plot(rows: List[Dict], path: Path) -> None:
         ("offload+prefetch", "kv offload + prefetch"),
         ("hisparse-0.5.23", "HiSparse 0.5.23"),
     ]
+    green = sorted(
+        {k for r in rows for k, v in r.items() if "@green" in k and "exposed_ms_per_layer" in v},
+        key=lambda k: int(k.rpartition("green")[2]),
+    )
+    series += [(k, f"prefetch on {k.rpartition('green')[2]} SMs (green context)") for k in green]
+    series = [(k, label) for k, label in series if all(k in r for r in rows)]
     width = 0.8 / len(series)
     for ax, ctx in zip(axes[0], contexts):
         points = [r for r in rows if r["ctx"] == ctx]
         x = range(len(points))
         for i, (key, label) in enumerate(series):
-            if not all(key in r for r in points):
-                continue
             ax.bar(
-                [j + (i - 1) * width for j in x],
+                [j + (i - (len(series) - 1) / 2) * width for j in x],
                 [r[key]["exposed_ms_per_layer"] for r in points],
                 width,
                 label=label,
