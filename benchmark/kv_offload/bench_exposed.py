@@ -324,21 +324,19 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     green: List[str] = []
     for n in a.prefetch_green_sms:
         # The prefetch on a green context of n SMs (its grid: the miss load's), the compute on all.
-        from probe_sm_partition import SmPartition
-
         from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
+        from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition
 
         variant = f"offload+prefetch@green{n}"
         try:
-            part = SmPartition(n, device.index or 0)
+            part = SmPartition(n, device)
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
         adapters[variant] = DSAOffloadAdapter(
-            point.adapters[True].coordinator, prefetch_stream=part.copy_stream
+            point.adapters[True].coordinator, prefetch_stream=part.stream
         )
         adapters[variant].num_real_reqs.fill_(bs)
-        adapters[variant].sm_partition = part  # keep the green contexts alive
         green.append(variant)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
     # Green-context variants last: a capture that fails there leaves the others measured.

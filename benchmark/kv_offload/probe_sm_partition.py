@@ -11,7 +11,7 @@ CUDA green contexts partition the SMs. On the GPU machine, this times
 
 each alone and both at once: on two ordinary streams (the copy's at the highest priority, as the
 prefetch runs today), and for each ``n`` in ``--copy-sms`` with the copy on a green context of
-``n`` SMs and the compute on a green context of the other SMs (:class:`SmPartition`), or on an
+``n`` SMs and the compute on a green context of the other SMs (kv offload's ``SmPartition``), or on an
 ordinary stream over every SM (``green-copy-only``: only the copy's stream changed). ``overlap = (compute + copy - both) /
 min(compute, copy)``: 1 when the shorter one hides completely, 0 when they serialize. A mode that
 cannot run (no green-context support in the driver) is recorded with its error.
@@ -34,65 +34,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import FP8_ROW_BYTES, prepare_environment  # noqa: E402
-
-CU_DEV_RESOURCE_TYPE_SM = 1
-CU_GREEN_CTX_DEFAULT_STREAM = 1
-CU_STREAM_NON_BLOCKING = 1
-RESOURCE_BYTES = 256  # >= sizeof(CUdevResource) (144 B in CUDA 12.4-13.x); one resource per buffer
-SM_COUNT_OFFSET = 96  # CUdevResource.sm.smCount: after the 4 B type and 92 B of padding
-
-
-class SmPartition:
-    """Two streams on disjoint SMs of one device: CUDA green contexts through the driver API.
-
-    ``cuDevSmResourceSplitByCount`` gives a group of at least ``copy_sms`` SMs (rounded up to the
-    device's granularity) and the remainder; each becomes a green context with one stream, wrapped
-    as a ``torch.cuda.ExternalStream`` (what SGLang's PD multiplexing does through ``sgl_kernel``).
-    Torch's own ``GreenContext.create`` always takes the device's first SMs, so two of them overlap.
-    """
-
-    def __init__(self, copy_sms: int, device_index: int):
-        import ctypes
-        import struct
-
-        cu = ctypes.CDLL("libcuda.so.1")
-
-        def check(rc: int, what: str) -> None:
-            if rc != 0:
-                raise RuntimeError(f"{what} returned CUresult {rc}")
-
-        dev = ctypes.c_int()
-        check(cu.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
-        full = ctypes.create_string_buffer(RESOURCE_BYTES)
-        check(
-            cu.cuDeviceGetDevResource(dev, full, CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource"
-        )
-        group, rest = (ctypes.create_string_buffer(RESOURCE_BYTES) for _ in range(2))
-        groups = ctypes.c_uint(1)
-        check(
-            cu.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), full, rest, 0, copy_sms),
-            "cuDevSmResourceSplitByCount",
-        )
-        self.copy_sms, self.compute_sms = (
-            struct.unpack_from("I", buf.raw, SM_COUNT_OFFSET)[0] for buf in (group, rest)
-        )
-        self._keep = []  # the green contexts live as long as their streams
-
-        def stream(resource) -> torch.cuda.ExternalStream:
-            desc, ctx, handle = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-            check(cu.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1), "GenerateDesc")
-            check(
-                cu.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, CU_GREEN_CTX_DEFAULT_STREAM),
-                "cuGreenCtxCreate",
-            )
-            check(
-                cu.cuGreenCtxStreamCreate(ctypes.byref(handle), ctx, CU_STREAM_NON_BLOCKING, 0),
-                "cuGreenCtxStreamCreate",
-            )
-            self._keep.append(ctx)
-            return torch.cuda.ExternalStream(handle.value)
-
-        self.copy_stream, self.compute_stream = stream(group), stream(rest)
 
 
 def timed(streams: List[torch.cuda.Stream], works: List[Callable[[], None]], iters: int) -> float:
@@ -133,6 +74,7 @@ def main() -> None:
     prepare_environment("cuda")
     from bench_exposed import LayerCompute
     from sglang.srt.mem_cache.sparsity.kv_offload import transfer
+    from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -190,12 +132,12 @@ def main() -> None:
         print(json.dumps(entry), flush=True)
 
     def partition(n: int) -> Dict:
-        part = SmPartition(n, dev.index or 0)
+        part = SmPartition(n, dev, with_remainder=True)
         return dict(
-            copy_sms=part.copy_sms,
-            compute_sms=part.compute_sms,
-            compute=part.compute_stream,
-            copy=part.copy_stream,
+            copy_sms=part.sms,
+            compute_sms=part.rest_sms,
+            compute=part.rest_stream,
+            copy=part.stream,
         )
 
     high = torch.cuda.Stream.priority_range()[1]

@@ -17,6 +17,7 @@ DOCUMENTED_DEFAULTS = {
     "pd_direct_to_host": False,
     "status_log_interval": 1000,
     "prefetch_next_layer": False,
+    "prefetch_sms": 0,
     "share_host_pool": True,
 }
 
@@ -37,6 +38,7 @@ def test_values_round_trip():
         "pd_direct_to_host": True,
         "status_log_interval": 0,
         "prefetch_next_layer": True,
+        "prefetch_sms": 32,
         "share_host_pool": False,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
@@ -76,6 +78,8 @@ def test_values_round_trip():
         ("", "is empty"),
         ("   ", "is empty"),
         ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
+        ('{"prefetch_next_layer": true, "prefetch_sms": -8}', "prefetch_sms=-8 must be >= 0"),
+        ('{"prefetch_sms": 32}', 'add "prefetch_next_layer": true or drop prefetch_sms'),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):
