@@ -18,6 +18,7 @@ DOCUMENTED_DEFAULTS = {
     "status_log_interval": 1000,
     "prefetch_next_layer": False,
     "prefetch_sms": 0,
+    "prefetch_max_bs": 0,
     "share_host_pool": True,
 }
 
@@ -39,6 +40,7 @@ def test_values_round_trip():
         "status_log_interval": 0,
         "prefetch_next_layer": True,
         "prefetch_sms": 32,
+        "prefetch_max_bs": 64,
         "share_host_pool": False,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
@@ -80,6 +82,11 @@ def test_values_round_trip():
         ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
         ('{"prefetch_next_layer": true, "prefetch_sms": -8}', "prefetch_sms=-8 must be >= 0"),
         ('{"prefetch_sms": 32}', 'add "prefetch_next_layer": true or drop prefetch_sms'),
+        (
+            '{"prefetch_next_layer": true, "prefetch_max_bs": -1}',
+            "prefetch_max_bs=-1 must be >= 0",
+        ),
+        ('{"prefetch_max_bs": 64}', 'add "prefetch_next_layer": true or drop prefetch_max_bs'),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):

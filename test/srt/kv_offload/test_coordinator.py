@@ -309,6 +309,29 @@ def test_prefetch_next_layer_moves_loads_off_the_next_layers_plan(device, shared
         assert pre["loaded"] > 0 and on["loaded"] + pre["loaded"] > off["loaded"]
 
 
+def test_prefetch_max_bs_skips_larger_batches():
+    """``prefetch_max_bs``: a batch of more rows than the cap (its padded shape) plans and loads
+    only in its own layers; a batch within the cap prefetches. Rows stay exact both ways."""
+    h = Harness(physical_pages=16, device="cpu", prefetch_next_layer=True)
+    h.adapter = DSAOffloadAdapter(h.coord, prefetch_max_bs=2)
+    assert h.admit(150) and h.admit(170)
+    reqs = sorted(h.kv)
+    gen = torch.Generator().manual_seed(9)
+
+    def draw(seq_len):
+        return torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
+
+    h.step(reqs[:1], draw)  # one request + the padded row: 2 rows, within the cap
+    one = _stats(h.coord.prefetch_workspace)
+    assert one["selected"] == _stats(h.coord.workspace)["selected"] // 2 > 0
+    h.coord.drain()
+    h.step(reqs, draw)  # 3 rows: above the cap, no prefetch
+    assert _stats(h.coord.prefetch_workspace) == one
+    assert _stats(h.coord.workspace)["selected"] > 2 * one["selected"]
+    h.coord.drain()
+    h.finish_all()
+
+
 def test_admission_without_slots_keeps_request_on_gpu():
     # 4 physical pages: the first request's prompt and slots take them all.
     h = Harness(physical_pages=4, buffer_slots=64)

@@ -51,6 +51,9 @@ class DSAOffloadAdapter:
             bench_exposed.py --prefetch-stream-priority compares).
         prefetch_stream: the side stream itself, e.g. one on an SM partition (a green context,
             benchmark/kv_offload/probe_sm_partition.py); replaces the priority stream.
+        prefetch_max_bs: batches of more requests (the padded CUDA-graph batch size) skip the
+            prefetch; 0: none does. A batch's decision is fixed by its shape, so each captured
+            graph either always or never prefetches.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class DSAOffloadAdapter:
         coordinator: KVOffloadCoordinator,
         prefetch_stream_priority: Optional[int] = None,
         prefetch_stream: Optional[torch.cuda.Stream] = None,
+        prefetch_max_bs: int = 0,
     ) -> None:
         self.coordinator = coordinator
+        self.prefetch_max_bs = prefetch_max_bs
         device = coordinator.device
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
         # every eager forward and graph replay.
@@ -101,9 +106,15 @@ class DSAOffloadAdapter:
             torch.cuda.current_stream().wait_event(self._prefetch_done)
             self._prefetch_in_flight = False
         plan = self._plan_and_load(req_pool_indices, topk_indices, layer_id, coord.workspace)
-        if coord.prefetch_workspace is not None and layer_id + 1 < self.num_layers:
+        if self._prefetches(topk_indices.shape[0]) and layer_id + 1 < self.num_layers:
             self._prefetch(req_pool_indices, topk_indices, layer_id + 1)
         return plan.out_indices
+
+    def _prefetches(self, bs: int) -> bool:
+        """Whether a batch of ``bs`` rows prefetches (a shape, so fixed within a CUDA graph)."""
+        if self.coordinator.prefetch_workspace is None:
+            return False
+        return not self.prefetch_max_bs or bs <= self.prefetch_max_bs
 
     def _plan_and_load(
         self,

@@ -69,6 +69,11 @@ class KVOffloadConfig:
             (a CUDA green context, ``sm_partition.py``) with the miss load's launch shape, so it
             overlaps the layer's compute instead of waiting for SMs. Needs
             ``prefetch_next_layer`` and a CUDA 12.4+ driver; the compute keeps every SM.
+        prefetch_max_bs: 0 (default): every decode batch prefetches; N > 0: only batches of at
+            most N requests (as CUDA graphs pad them) do, larger ones load their misses in their
+            own layer only. Where the layer's compute is too short to hide the rows a guess
+            moves (large batches), the prefetch costs more than it saves (docs/kv_offload.md,
+            "An SM partition for the prefetch"). Needs ``prefetch_next_layer``.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
@@ -84,6 +89,7 @@ class KVOffloadConfig:
     status_log_interval: int = 1000
     prefetch_next_layer: bool = False
     prefetch_sms: int = 0
+    prefetch_max_bs: int = 0
     share_host_pool: bool = True
 
     @classmethod
@@ -182,6 +188,15 @@ class KVOffloadConfig:
             self.prefetch_sms == 0 or self.prefetch_next_layer,
             f"prefetch_sms={self.prefetch_sms} sizes the cross-layer prefetch's SM partition, "
             'which is off; add "prefetch_next_layer": true or drop prefetch_sms',
+        )
+        _require(
+            self.prefetch_max_bs >= 0,
+            f"prefetch_max_bs={self.prefetch_max_bs} must be >= 0 (0: every batch size)",
+        )
+        _require(
+            self.prefetch_max_bs == 0 or self.prefetch_next_layer,
+            f"prefetch_max_bs={self.prefetch_max_bs} limits the cross-layer prefetch, which is "
+            'off; add "prefetch_next_layer": true or drop prefetch_max_bs',
         )
         _require(
             self.status_log_interval >= 0,

@@ -238,6 +238,7 @@ def init_offload(runner) -> None:
     runner.hisparse_coordinator = DSAOffloadAdapter(
         coordinator,
         prefetch_stream=prefetch_partition.stream if prefetch_partition else None,
+        prefetch_max_bs=config.prefetch_max_bs,
     )
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
