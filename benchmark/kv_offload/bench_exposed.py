@@ -146,6 +146,33 @@ class HiSparseLayers:
         return self.out
 
 
+def plan_off_partition_adapter(coordinator, load_stream):
+    """An adapter whose prefetch plans on an ordinary highest-priority stream (every SM) and loads
+    on ``load_stream`` (an SM partition's): isolates what the plan costs on the partition."""
+    from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
+
+    class PlanOffPartition(DSAOffloadAdapter):
+        def __init__(self) -> None:
+            super().__init__(coordinator)  # its side stream: the highest priority, every SM
+            self._plan_stream, self._side_stream = self._side_stream, load_stream
+
+        def _prefetch(self, req_pool_indices, topk_indices, layer_id) -> None:
+            guess = self._prefetch_topk[: topk_indices.shape[0]]
+            guess.copy_(topk_indices)
+            self._plan_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._plan_stream):
+                plan = self._plan(
+                    req_pool_indices, guess, layer_id, self.coordinator.prefetch_workspace
+                )
+            self._side_stream.wait_stream(self._plan_stream)
+            with torch.cuda.stream(self._side_stream):
+                self._load(plan, layer_id, prefetch=True)
+                self._prefetch_done.record()
+            self._prefetch_in_flight = True
+
+    return PlanOffPartition()
+
+
 def load_hisparse(src: str):
     """0.5.23's swap-in (block size 960), or None with the reason printed."""
     if not Path(src).is_dir():
@@ -336,8 +363,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         adapters[variant] = DSAOffloadAdapter(
             point.adapters[True].coordinator, prefetch_stream=part.stream
         )
-        adapters[variant].num_real_reqs.fill_(bs)
         green.append(variant)
+        if a.prefetch_plan_off_partition:
+            adapters[f"{variant}+fullplan"] = plan_off_partition_adapter(
+                point.adapters[True].coordinator, part.stream
+            )
+            green.append(f"{variant}+fullplan")
+    for variant in green:
+        adapters[variant].num_real_reqs.fill_(bs)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
     # Green-context variants last: a capture that fails there leaves the others measured.
     for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
@@ -446,11 +479,25 @@ def plot(rows: List[Dict], path: Path) -> None:
         ("offload+prefetch", "kv offload + prefetch"),
         ("hisparse-0.5.23", "HiSparse 0.5.23"),
     ]
+
+    def green_sms(key: str) -> int:
+        return int(key.rpartition("green")[2].partition("+")[0])
+
     green = sorted(
         {k for r in rows for k, v in r.items() if "@green" in k and "exposed_ms_per_layer" in v},
-        key=lambda k: int(k.rpartition("green")[2]),
+        key=lambda k: (green_sms(k), k),
     )
-    series += [(k, f"prefetch on {k.rpartition('green')[2]} SMs (green context)") for k in green]
+    series += [
+        (
+            k,
+            (
+                f"prefetch load on {green_sms(k)} SMs, plan on all"
+                if "+fullplan" in k
+                else f"prefetch on {green_sms(k)} SMs (green context)"
+            ),
+        )
+        for k in green
+    ]
     series = [(k, label) for k, label in series if all(k in r for r in rows)]
     width = 0.8 / len(series)
     for ax, ctx in zip(axes[0], contexts):
@@ -503,6 +550,12 @@ def main() -> None:
         type=lambda text: [int(x) for x in text.split(",") if x],
         default=[],
         help="also time the prefetch on a green context of this many SMs (CUDA), e.g. 8,16",
+    )
+    p.add_argument(
+        "--prefetch-plan-off-partition",
+        action="store_true",
+        help="with --prefetch-green-sms: also time the prefetch with its plan on an ordinary "
+        "highest-priority stream and only its load on the partition",
     )
     p.add_argument(
         "--prefetch-stream-priority",

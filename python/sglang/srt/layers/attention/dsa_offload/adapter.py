@@ -124,10 +124,20 @@ class DSAOffloadAdapter:
         workspace: PlanWorkspace,
         prefetch: bool = False,
     ) -> PlanResult:
+        plan = self._plan(req_pool_indices, topk_indices, layer_id, workspace)
+        self._load(plan, layer_id, prefetch)
+        return plan
+
+    def _plan(
+        self,
+        req_pool_indices: torch.Tensor,
+        topk_indices: torch.Tensor,
+        layer_id: int,
+        workspace: PlanWorkspace,
+    ) -> PlanResult:
         coord = self.coordinator
         allocator = coord.allocator
-        grouped = coord.grouped_loads
-        plan = plan_layer(
+        return plan_layer(
             topk_indices,
             req_pool_indices,
             self.num_real_reqs,
@@ -135,10 +145,13 @@ class DSAOffloadAdapter:
             allocator.full_to_hisparse_device_index_mapping,
             coord.sparse_cache.layer(layer_id),
             workspace,
-            compact=not grouped,
+            compact=not coord.grouped_loads,
             req_to_token=coord.req_to_token,
         )
-        if grouped:
+
+    def _load(self, plan: PlanResult, layer_id: int, prefetch: bool) -> None:
+        coord = self.coordinator
+        if coord.grouped_loads:
             coord.controller.load_one_layer(
                 layer_id, plan.miss_host, plan.miss_dst, group_counts=plan.num_misses
             )
@@ -150,7 +163,6 @@ class DSAOffloadAdapter:
                 num_valid=plan.miss_count,
                 prefetch=prefetch,
             )
-        return plan
 
     def _prefetch(
         self, req_pool_indices: torch.Tensor, topk_indices: torch.Tensor, layer_id: int
