@@ -146,33 +146,6 @@ class HiSparseLayers:
         return self.out
 
 
-def plan_off_partition_adapter(coordinator, load_stream):
-    """An adapter whose prefetch plans on an ordinary highest-priority stream (every SM) and loads
-    on ``load_stream`` (an SM partition's): isolates what the plan costs on the partition."""
-    from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
-
-    class PlanOffPartition(DSAOffloadAdapter):
-        def __init__(self) -> None:
-            super().__init__(coordinator)  # its side stream: the highest priority, every SM
-            self._plan_stream, self._side_stream = self._side_stream, load_stream
-
-        def _prefetch(self, req_pool_indices, topk_indices, layer_id) -> None:
-            guess = self._prefetch_topk[: topk_indices.shape[0]]
-            guess.copy_(topk_indices)
-            self._plan_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._plan_stream):
-                plan = self._plan(
-                    req_pool_indices, guess, layer_id, self.coordinator.prefetch_workspace
-                )
-            self._side_stream.wait_stream(self._plan_stream)
-            with torch.cuda.stream(self._side_stream):
-                self._load(plan, layer_id, prefetch=True)
-                self._prefetch_done.record()
-            self._prefetch_in_flight = True
-
-    return PlanOffPartition()
-
-
 def load_hisparse(src: str):
     """0.5.23's swap-in (block size 960), or None with the reason printed."""
     if not Path(src).is_dir():
@@ -350,7 +323,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
     green: List[str] = []
     for n in a.prefetch_green_sms:
-        # The prefetch on a green context of n SMs (its grid: the miss load's), the compute on all.
+        # The prefetch's load on a green context of n SMs (the miss load's grid), the rest on all.
         from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
         from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition
 
@@ -364,11 +337,6 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             point.adapters[True].coordinator, prefetch_stream=part.stream
         )
         green.append(variant)
-        if a.prefetch_plan_off_partition:
-            adapters[f"{variant}+fullplan"] = plan_off_partition_adapter(
-                point.adapters[True].coordinator, part.stream
-            )
-            green.append(f"{variant}+fullplan")
     for variant in green:
         adapters[variant].num_real_reqs.fill_(bs)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
@@ -492,7 +460,7 @@ def plot(rows: List[Dict], path: Path) -> None:
             k,
             (
                 f"prefetch load on {green_sms(k)} SMs, plan on all"
-                if "+fullplan" in k
+                if "+fullplan" in k  # recorded before the plan left the partition (e765ffc)
                 else f"prefetch on {green_sms(k)} SMs (green context)"
             ),
         )
@@ -549,13 +517,8 @@ def main() -> None:
         "--prefetch-green-sms",
         type=lambda text: [int(x) for x in text.split(",") if x],
         default=[],
-        help="also time the prefetch on a green context of this many SMs (CUDA), e.g. 8,16",
-    )
-    p.add_argument(
-        "--prefetch-plan-off-partition",
-        action="store_true",
-        help="with --prefetch-green-sms: also time the prefetch with its plan on an ordinary "
-        "highest-priority stream and only its load on the partition",
+        help="also time the prefetch with its load on a green context of this many SMs (CUDA; "
+        "its plan on every SM, as prefetch_sms runs it), e.g. 8,16",
     )
     p.add_argument(
         "--prefetch-stream-priority",

@@ -49,8 +49,11 @@ class DSAOffloadAdapter:
             default the device's highest, so that its programs take SMs as the layer's compute
             kernels release them instead of queueing behind them (benchmark/kv_offload/
             bench_exposed.py --prefetch-stream-priority compares).
-        prefetch_stream: the side stream itself, e.g. one on an SM partition (a green context,
-            benchmark/kv_offload/probe_sm_partition.py); replaces the priority stream.
+        prefetch_stream: the stream of the prefetch's load, e.g. one on an SM partition (a green
+            context, ``kv_offload/sm_partition.py``); its plan stays on the priority stream, on
+            every SM. Planned on a partition of 8-32 SMs (one program per request), the plan was
+            what held the prefetch back: with it on every SM the exposed time at bs 64 / 128 fell
+            from 0.57x / 0.74x HiSparse's to 0.47-0.52x / 0.57x (``bench_exposed.py``, H200).
         prefetch_max_bs: batches of more requests (the padded CUDA-graph batch size) skip the
             prefetch; 0: none does. A batch's decision is fixed by its shape, so each captured
             graph either always or never prefetches.
@@ -74,13 +77,13 @@ class DSAOffloadAdapter:
         self._prefetch_topk = (
             None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
-        on_cuda = device.type == "cuda"
-        self._side_stream = prefetch_stream if ws is not None and on_cuda else None
-        if ws is not None and on_cuda and prefetch_stream is None:
+        self._plan_stream = self._load_stream = None  # CPU: the prefetch runs in order
+        if ws is not None and device.type == "cuda":
             if prefetch_stream_priority is None:
                 prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
-            self._side_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
-        self._prefetch_done = torch.cuda.Event() if self._side_stream is not None else None
+            self._plan_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
+            self._load_stream = prefetch_stream or self._plan_stream
+        self._prefetch_done = torch.cuda.Event() if self._plan_stream is not None else None
         self._prefetch_in_flight = False
 
     def wait_for_pending_backup(self) -> None:
@@ -172,11 +175,15 @@ class DSAOffloadAdapter:
         guess = self._prefetch_topk[:bs]
         guess.copy_(topk_indices)  # the indexer's buffer is reused by the next layer
         workspace = self.coordinator.prefetch_workspace
-        if self._side_stream is None:  # CPU: in order
+        if self._plan_stream is None:  # CPU: in order
             self._plan_and_load(req_pool_indices, guess, layer_id, workspace, prefetch=True)
             return
-        self._side_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side_stream):
-            self._plan_and_load(req_pool_indices, guess, layer_id, workspace, prefetch=True)
+        self._plan_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._plan_stream):
+            plan = self._plan(req_pool_indices, guess, layer_id, workspace)
+        if self._load_stream is not self._plan_stream:
+            self._load_stream.wait_stream(self._plan_stream)
+        with torch.cuda.stream(self._load_stream):
+            self._load(plan, layer_id, prefetch=True)
             self._prefetch_done.record()
         self._prefetch_in_flight = True
