@@ -82,7 +82,7 @@ class DSAOffloadAdapter:
             if prefetch_stream_priority is None:
                 prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
             self._plan_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
-            self._load_stream = prefetch_stream or self._plan_stream
+            self._load_stream = self._plan_stream if prefetch_stream is None else prefetch_stream
         self._prefetch_done = torch.cuda.Event() if self._plan_stream is not None else None
         self._prefetch_in_flight = False
 

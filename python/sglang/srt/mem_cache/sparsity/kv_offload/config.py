@@ -64,10 +64,11 @@ class KVOffloadConfig:
         prefetch_next_layer: while a layer computes, plan and load its top-k for the next
             layer on a side stream (adjacent layers select mostly the same tokens), so the next
             layer's own plan loads only what the guess missed.
-        prefetch_sms: 0 (default): the prefetch's side stream is an ordinary stream at the
-            device's highest priority; N > 0: it runs on a partition of at least N SMs of its own
+        prefetch_sms: 0 (default): the prefetch runs on an ordinary stream at the device's
+            highest priority; N > 0: its load runs on a partition of at least N SMs of its own
             (a CUDA green context, ``sm_partition.py``) with the miss load's launch shape, so it
-            overlaps the layer's compute instead of waiting for SMs. Needs
+            overlaps the layer's compute instead of waiting for SMs (its plan stays on the
+            priority stream, on every SM). Needs
             ``prefetch_next_layer`` and a CUDA 12.4+ driver; the compute keeps every SM.
         prefetch_max_bs: 0 (default): every decode batch prefetches; N > 0: only batches of at
             most N requests (as CUDA graphs pad them) do, larger ones load their misses in their
