@@ -336,9 +336,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         adapters[variant] = DSAOffloadAdapter(
             point.adapters[True].coordinator, prefetch_stream=part.stream
         )
-        green.append(variant)
-    for variant in green:
         adapters[variant].num_real_reqs.fill_(bs)
+        green.append(variant)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
     # Green-context variants last: a capture that fails there leaves the others measured.
     for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
