@@ -264,6 +264,36 @@ class Point:
         return main + pre
 
 
+def verify_rows(point: Point, adapter, graph, trace, topk, eager_steps: int) -> bool:
+    """Replay the trace again from the cold state, the last ``eager_steps`` steps eagerly, and
+    check that every row each layer resolved holds its token's host row when attention would read
+    it (a snapshot on the forward stream right after the layer's swap-in, so the prefetch of the
+    next layer still runs beside what follows)."""
+    point.reset()
+    steps = trace.shape[0]
+    rpi = torch.arange(point.bs, dtype=torch.int64, device=point.device)
+    seq = torch.full((point.bs,), point.ctx, dtype=torch.int64, device=point.device)
+    exact = True
+    for t in range(steps):
+        topk.copy_(trace[t])
+        if t < steps - eager_steps:
+            graph.replay()
+            continue
+        seen = []
+        for layer in range(point.layers):
+            rows = adapter.swap_in_selected_pages(rpi, seq, topk[layer], layer)
+            seen.append(point.pool.device_row_view(layer)[rows.clamp_min(0).long()])
+        torch.cuda.synchronize()
+        for layer, got in enumerate(seen):
+            pos = topk[layer].long()
+            valid = pos >= 0
+            locs = point.r2t.req_to_token[rpi[:, None], pos.clamp_min(0)].long()
+            host = point.alloc.loc_to_host[locs].cpu()
+            truth = point.host.host_row_view(layer)[host.view(-1)].view(got.shape)
+            exact &= bool((got == truth.to(got.device))[valid].all())
+    return exact
+
+
 def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> Dict:
     point = Point(a, bs, ctx, device)
     steps = a.warm + a.steps
@@ -333,11 +363,15 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        adapters[variant] = DSAOffloadAdapter(
-            point.adapters[True].coordinator, prefetch_stream=part.stream
-        )
-        adapters[variant].num_real_reqs.fill_(bs)
-        green.append(variant)
+        for serial in (False, True) if a.prefetch_serial else (False,):
+            name = variant + ("+serial" if serial else "")
+            adapters[name] = DSAOffloadAdapter(
+                point.adapters[True].coordinator, prefetch_stream=part.stream
+            )
+            adapters[name].num_real_reqs.fill_(bs)
+            if serial:  # the form before the next layer's load ran beside the prefetch's
+                adapters[name]._overlaps_prefetch_load = False
+            green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
     # Green-context variants last: a capture that fails there leaves the others measured.
     for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
@@ -402,6 +436,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 times.append(elapsed)
         after = point.stats(prefetch)
         delta = [x - y for x, y in zip(after, before)]
+        exact = None
+        if cuda and variant.startswith("offload") and a.verify_steps:
+            exact = verify_rows(point, adapters[variant], graph, trace, topk, a.verify_steps)
         ms = statistics.median(times)
         entry = dict(step_ms=ms, ms_per_layer=ms / a.layers)
         if variant.startswith("offload"):
@@ -409,7 +446,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             flags = int(point.adapters[prefetch].coordinator.workspace.error_flags[0])
             assert flags == 0, f"plan error flags {flags} in {variant}"
             per = a.steps * a.layers
+            assert exact is not False, f"{variant} resolved a row to the wrong KV"
             entry.update(
+                rows_exact=exact,
                 hit_rate=hits / max(1, selected),
                 loaded_rows_per_layer=loaded / per,
                 prefetched_rows_per_layer=pre_loaded / per,
@@ -460,7 +499,11 @@ def plot(rows: List[Dict], path: Path) -> None:
             (
                 f"prefetch load on {green_sms(k)} SMs, plan on all"
                 if "+fullplan" in k  # recorded before the plan left the partition (e765ffc)
-                else f"prefetch on {green_sms(k)} SMs (green context)"
+                else (
+                    f"prefetch load on {green_sms(k)} SMs, next layer waits for all of it"
+                    if "+serial" in k
+                    else f"prefetch load on {green_sms(k)} SMs (green context)"
+                )
             ),
         )
         for k in green
@@ -518,6 +561,19 @@ def main() -> None:
         default=[],
         help="also time the prefetch with its load on a green context of this many SMs (CUDA; "
         "its plan on every SM, as prefetch_sms runs it), e.g. 8,16",
+    )
+    p.add_argument(
+        "--prefetch-serial",
+        action="store_true",
+        help="also time each --prefetch-green-sms variant with the next layer's plan waiting for "
+        "the whole prefetch (the form before its load ran beside the prefetch's load)",
+    )
+    p.add_argument(
+        "--verify-steps",
+        type=int,
+        default=2,
+        help="after timing, replay the last N steps of each kv offload variant eagerly and check "
+        "every resolved row against the host (CUDA; 0: skip)",
     )
     p.add_argument(
         "--prefetch-stream-priority",

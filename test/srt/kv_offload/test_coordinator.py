@@ -52,8 +52,10 @@ class Harness:
         device="cpu",
         debug=True,
         prefetch_next_layer=False,
+        topk=TOPK,
     ):
         self.device = device
+        self.topk = topk
         self.pool = offload_device_pool(
             physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
@@ -68,7 +70,7 @@ class Harness:
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=max_reqs,
             buffer_slots=buffer_slots,
-            topk=TOPK,
+            topk=topk,
             allocator=self.alloc.hisparse_attn_allocator,
             device=device,
         )
@@ -168,8 +170,8 @@ class Harness:
         padded = torch.cat([rpi, rpi[:1]])
         self.adapter.num_real_reqs.fill_(bs)
         for layer in range(LAYERS):
-            positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(TOPK))]
-            topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device=self.device)
+            positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(self.topk))]
+            topk = torch.full((bs + 1, self.topk), -1, dtype=torch.int32, device=self.device)
             # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
             for b, pos in enumerate(positions[:bs]):
                 topk[b, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
@@ -307,6 +309,43 @@ def test_prefetch_next_layer_moves_loads_off_the_next_layers_plan(device, shared
         assert pre["loaded"] > 0 and on["loaded"] < off["loaded"]
     else:
         assert pre["loaded"] > 0 and on["loaded"] + pre["loaded"] > off["loaded"]
+
+
+@pytest.mark.parametrize("topk, overlaps", [(32, True), (48, False)])
+def test_next_layers_victims_avoid_the_prefetchs_rows_only_with_twice_topk_slots(topk, overlaps):
+    """With ``prefetch_next_layer`` on CUDA the next layer's plan and load run while the prefetch's
+    load into that layer is in flight. That is safe only if the plan never picks a slot the
+    prefetch is loading: true with slots >= 2 * top-k (64 slots, top-k 32), even when the two
+    layers select disjoint tokens; with fewer (top-k 48) such a victim exists, so the adapter
+    waits for the whole prefetch there."""
+    h = Harness(physical_pages=16, device="cpu", prefetch_next_layer=True, topk=topk)
+    assert h.adapter._overlaps_prefetch_load is overlaps
+    assert h.admit(190) and h.admit(230)
+    reqs = sorted(h.kv)
+    gen = torch.Generator().manual_seed(3)
+    layer0 = {}
+
+    def draw(seq_len):
+        # Layer 1 picks only tokens layer 0 did not: every prefetched row is a wasted guess.
+        if seq_len not in layer0:
+            pos = torch.randperm(seq_len, generator=gen)[:topk].tolist()
+            layer0[seq_len] = pos
+            return pos
+        rest = sorted(set(range(seq_len)) - set(layer0.pop(seq_len)))
+        return [rest[i] for i in torch.randperm(len(rest), generator=gen)[:topk].tolist()]
+
+    def loaded(ws):
+        return set(ws.miss_dst[: int(ws.miss_count[0])].tolist())
+
+    taken = []
+    for _ in range(12):
+        h.step(reqs, draw)  # checks every resolved row against the truth
+        prefetched, own = loaded(h.coord.prefetch_workspace), loaded(h.coord.workspace)
+        assert prefetched and own  # layer 1's prefetch and own plan both loaded rows
+        taken.append(len(prefetched & own))
+        h.coord.drain()
+    assert (max(taken) == 0) is overlaps, taken
+    h.finish_all()
 
 
 def test_prefetch_max_bs_skips_larger_batches():

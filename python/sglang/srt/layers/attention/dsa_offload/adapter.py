@@ -22,8 +22,12 @@ side stream, while this layer's attention and MLP and the next layer's indexer r
 select mostly the same tokens, so the next layer's own plan then finds most of them resident and
 loads only what the guess missed. The prefetch is an ordinary plan of the next layer's LRU (an
 extra step with this layer's top-k), so a wrong guess costs bandwidth and LRU order, never
-correctness. The copy of the top-k it reads is one more launch on the forward stream; the next
-layer's plan waits for the prefetch (an event, captured into the CUDA graph as a fork and a join).
+correctness. The copy of the top-k it reads is one more launch on the forward stream. The next
+layer's plan waits for the prefetch's plan; its own load of what the guess missed then runs beside
+the prefetch's load, and its attention waits for both (events, captured into the CUDA graph as forks
+and joins). That is safe when a request's slots are at least twice the top-k: the next layer's
+victims are then always slots the prefetch did not load into (see ``_overlaps_prefetch_load``);
+with fewer slots the next layer's plan waits for the whole prefetch.
 """
 
 from __future__ import annotations
@@ -83,8 +87,13 @@ class DSAOffloadAdapter:
                 prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
             self._plan_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
             self._load_stream = self._plan_stream if prefetch_stream is None else prefetch_stream
-        self._prefetch_done = torch.cuda.Event() if self._plan_stream is not None else None
+        on_cuda = self._plan_stream is not None
+        self._prefetch_planned = torch.cuda.Event() if on_cuda else None
+        self._prefetch_done = torch.cuda.Event() if on_cuda else None
         self._prefetch_in_flight = False
+        self._overlaps_prefetch_load = ws is not None and _victims_avoid_prefetch(
+            coordinator.sparse_cache.max_slots, ws.topk
+        )
 
     def wait_for_pending_backup(self) -> None:
         """Nothing to wait for: a backup copies GPU rows to the host, and a row stays on the GPU
@@ -105,10 +114,14 @@ class DSAOffloadAdapter:
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
         coord = self.coordinator
-        if self._prefetch_in_flight:  # the previous layer's prefetch of this one
-            torch.cuda.current_stream().wait_event(self._prefetch_done)
-            self._prefetch_in_flight = False
+        in_flight, self._prefetch_in_flight = self._prefetch_in_flight, False
+        forward = torch.cuda.current_stream() if in_flight else None
+        if in_flight:  # the previous layer's prefetch of this one
+            overlap = self._overlaps_prefetch_load
+            forward.wait_event(self._prefetch_planned if overlap else self._prefetch_done)
         plan = self._plan_and_load(req_pool_indices, topk_indices, layer_id, coord.workspace)
+        if in_flight and overlap:  # attention reads the prefetched rows too
+            forward.wait_event(self._prefetch_done)
         if self._prefetches(topk_indices.shape[0]) and layer_id + 1 < self.num_layers:
             self._prefetch(req_pool_indices, topk_indices, layer_id + 1)
         return plan.out_indices
@@ -181,9 +194,23 @@ class DSAOffloadAdapter:
         self._plan_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._plan_stream):
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
+            self._prefetch_planned.record()
         if self._load_stream is not self._plan_stream:
             self._load_stream.wait_stream(self._plan_stream)
         with torch.cuda.stream(self._load_stream):
             self._load(plan, layer_id, prefetch=True)
             self._prefetch_done.record()
         self._prefetch_in_flight = True
+
+
+def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:
+    """Whether a layer's plan can run while the prefetch's load into that layer is in flight.
+
+    The prefetch loads at most ``topk`` rows into slots it moves to the most recent end of the LRU;
+    the layer's plan then evicts at most ``topk - hits`` slots, least recent first, never one it
+    hits. With ``n`` slots, at least ``n - topk`` slots outside the prefetch's loads are evictable
+    beside the hits, so ``n >= 2 * topk`` keeps every victim out of the prefetch's in-flight rows.
+    A request holding fewer slots holds its whole context (``slots_for``): its victims are empty
+    slots, which precede every loaded one. So the bound on the largest grant suffices.
+    """
+    return max_slots >= 2 * topk
