@@ -363,13 +363,20 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        for serial in (False, True) if a.prefetch_serial else (False,):
-            name = variant + ("+serial" if serial else "")
+        forms = [("", "previous_layer")]
+        forms += [("+serial", "previous_layer")] if a.prefetch_serial else []
+        forms += [("+twolayers", "two_layers")] if a.prefetch_two_layers else []
+        for suffix, guess in forms:
+            name = variant + suffix
             adapters[name] = DSAOffloadAdapter(
-                point.adapters[True].coordinator, prefetch_stream=part.stream
+                point.adapters[True].coordinator,
+                prefetch_stream=part.stream,
+                prefetch_guess=guess,
             )
             adapters[name].num_real_reqs.fill_(bs)
-            if serial:  # the form before the next layer's load ran beside the prefetch's
+            if (
+                suffix == "+serial"
+            ):  # the form before the next layer's load ran beside the prefetch's
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
@@ -493,21 +500,18 @@ def plot(rows: List[Dict], path: Path) -> None:
         {k for r in rows for k, v in r.items() if "@green" in k and "exposed_ms_per_layer" in v},
         key=lambda k: (green_sms(k), k),
     )
-    series += [
-        (
-            k,
-            (
-                f"prefetch load on {green_sms(k)} SMs, plan on all"
-                if "+fullplan" in k  # recorded before the plan left the partition (e765ffc)
-                else (
-                    f"prefetch load on {green_sms(k)} SMs, next layer waits for all of it"
-                    if "+serial" in k
-                    else f"prefetch load on {green_sms(k)} SMs (green context)"
-                )
-            ),
+
+    def green_label(key: str) -> str:
+        forms = (
+            ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
+            ("+serial", "next layer waits for all of it"),
+            ("+twolayers", "two-layer guess"),
         )
-        for k in green
-    ]
+        text = next((text for tag, text in forms if tag in key), None)
+        where = f"prefetch load on {green_sms(key)} SMs"
+        return f"{where}, {text}" if text else f"{where} (green context)"
+
+    series += [(k, green_label(k)) for k in green]
     series = [(k, label) for k, label in series if all(k in r for r in rows)]
     width = 0.8 / len(series)
     for ax, ctx in zip(axes[0], contexts):
@@ -567,6 +571,12 @@ def main() -> None:
         action="store_true",
         help="also time each --prefetch-green-sms variant with the next layer's plan waiting for "
         "the whole prefetch (the form before its load ran beside the prefetch's load)",
+    )
+    p.add_argument(
+        "--prefetch-two-layers",
+        action="store_true",
+        help='also time each --prefetch-green-sms variant with prefetch_guess "two_layers" (the '
+        "entries of layer L's top-k that layer L-1 selected too)",
     )
     p.add_argument(
         "--verify-steps",
