@@ -35,13 +35,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.config import PREFETCH_GUESSES
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     PlanResult,
     PlanWorkspace,
     plan_layer,
 )
-from sglang.srt.mem_cache.sparsity.kv_offload.config import PREFETCH_GUESSES
 from sglang.srt.mem_cache.sparsity.kv_offload.prefetch_guess import TwoLayerGuess
 
 
