@@ -363,20 +363,13 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        forms = [("", "previous_layer")]
-        forms += [("+serial", "previous_layer")] if a.prefetch_serial else []
-        forms += [("+twolayers", "two_layers")] if a.prefetch_two_layers else []
-        for suffix, guess in forms:
-            name = variant + suffix
+        for serial in (False, True) if a.prefetch_serial else (False,):
+            name = variant + ("+serial" if serial else "")
             adapters[name] = DSAOffloadAdapter(
-                point.adapters[True].coordinator,
-                prefetch_stream=part.stream,
-                prefetch_guess=guess,
+                point.adapters[True].coordinator, prefetch_stream=part.stream
             )
             adapters[name].num_real_reqs.fill_(bs)
-            if (
-                suffix == "+serial"
-            ):  # the form before the next layer's load ran beside the prefetch's
+            if serial:  # the form before the next layer's load ran beside the prefetch's
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
@@ -505,7 +498,7 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
-            ("+twolayers", "two-layer guess"),
+            ("+twolayers", "two-layer guess"),  # 14556ee, reverted (slower); redraws its results
         )
         text = next((text for tag, text in forms if tag in key), None)
         where = f"prefetch load on {green_sms(key)} SMs"
@@ -571,12 +564,6 @@ def main() -> None:
         action="store_true",
         help="also time each --prefetch-green-sms variant with the next layer's plan waiting for "
         "the whole prefetch (the form before its load ran beside the prefetch's load)",
-    )
-    p.add_argument(
-        "--prefetch-two-layers",
-        action="store_true",
-        help='also time each --prefetch-green-sms variant with prefetch_guess "two_layers" (the '
-        "entries of layer L's top-k that layer L-1 selected too)",
     )
     p.add_argument(
         "--verify-steps",

@@ -555,8 +555,8 @@ def main() -> None:
         "--layers",
         type=int,
         default=0,
-        help="the tiny model's layers (0: the fixture's 2); 3 or more let the two-layer prefetch "
-        "guess narrow a guess",
+        help="the tiny model's layers (0: the fixture's 2); more run the cross-layer prefetch "
+        "between more pairs of layers",
     )
     p.add_argument("--max-ctx", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -19,7 +19,6 @@ DOCUMENTED_DEFAULTS = {
     "prefetch_next_layer": False,
     "prefetch_sms": 0,
     "prefetch_max_bs": 0,
-    "prefetch_guess": "previous_layer",
     "share_host_pool": True,
 }
 
@@ -42,7 +41,6 @@ def test_values_round_trip():
         "prefetch_next_layer": True,
         "prefetch_sms": 32,
         "prefetch_max_bs": 64,
-        "prefetch_guess": "two_layers",
         "share_host_pool": False,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
@@ -89,15 +87,6 @@ def test_values_round_trip():
             "prefetch_max_bs=-1 must be >= 0",
         ),
         ('{"prefetch_max_bs": 64}', 'add "prefetch_next_layer": true or drop prefetch_max_bs'),
-        (
-            '{"prefetch_next_layer": true, "prefetch_guess": "both"}',
-            "prefetch_guess='both' is not one of ['previous_layer', 'two_layers']",
-        ),
-        (
-            '{"prefetch_guess": "two_layers"}',
-            'add "prefetch_next_layer": true or drop prefetch_guess',
-        ),
-        ('{"prefetch_next_layer": true, "prefetch_guess": 2}', "must be a JSON string, got 2"),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):

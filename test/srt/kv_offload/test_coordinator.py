@@ -53,13 +53,11 @@ class Harness:
         debug=True,
         prefetch_next_layer=False,
         topk=TOPK,
-        layers=LAYERS,
     ):
         self.device = device
         self.topk = topk
-        self.layers = layers
         self.pool = offload_device_pool(
-            physical_pages * P, logical_pages * P, self.layers, (torch.float8_e4m3fn, ROW), device
+            physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
             logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, device, self.pool, False
@@ -68,7 +66,7 @@ class Harness:
         self.controller = KVOffloadCacheController(self.alloc, self.host, debug=debug)
         self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, device, False)
         self.sparse = SparseCacheState(
-            num_layers=self.layers,
+            num_layers=LAYERS,
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=max_reqs,
             buffer_slots=buffer_slots,
@@ -98,7 +96,7 @@ class Harness:
     def write_rows(self, locs, rows_per_layer):
         phys = self.alloc.full_to_hisparse_device_index_mapping[locs]
         assert bool((phys > 0).all())
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             self.pool.device_row_view(layer)[phys] = rows_per_layer[layer]
 
     def admit(self, prompt_len) -> bool:
@@ -114,7 +112,7 @@ class Harness:
             return False
         r = self.free_reqs.pop()
         self.r2t.req_to_token[r, :prompt_len] = locs.to(torch.int32)
-        rows = [self.rand_rows(prompt_len) for _ in range(self.layers)]
+        rows = [self.rand_rows(prompt_len) for _ in range(LAYERS)]
         self.write_rows(locs, rows)
         self.kv[r] = rows
         self.coord.admit(r, prompt_len)
@@ -133,8 +131,8 @@ class Harness:
         host = self.alloc.loc_to_host[locs].cpu()
         pages = torch.unique(host // P)
         whole = (pages[:, None] * P + torch.arange(P)).reshape(-1)
-        rows = [self.rand_rows(prompt_len).cpu() for _ in range(self.layers)]
-        for layer in range(self.layers):
+        rows = [self.rand_rows(prompt_len).cpu() for _ in range(LAYERS)]
+        for layer in range(LAYERS):
             view = self.host.host_row_view(layer)
             view[whole] = self.rand_rows(whole.numel()).cpu()
             view[host] = rows[layer]
@@ -153,9 +151,9 @@ class Harness:
         if new is None:
             return False
         self.r2t.req_to_token[r, n] = new.to(torch.int32)
-        rows = [self.rand_rows(1) for _ in range(self.layers)]
+        rows = [self.rand_rows(1) for _ in range(LAYERS)]
         self.write_rows(new, rows)
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             self.kv[r][layer] = torch.cat([self.kv[r][layer], rows[layer]])
         return True
 
@@ -171,7 +169,7 @@ class Harness:
         # A padded CUDA-graph row: stale request index, must be left alone.
         padded = torch.cat([rpi, rpi[:1]])
         self.adapter.num_real_reqs.fill_(bs)
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(self.topk))]
             topk = torch.full((bs + 1, self.topk), -1, dtype=torch.int32, device=self.device)
             # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
@@ -348,49 +346,6 @@ def test_next_layers_victims_avoid_the_prefetchs_rows_only_with_twice_topk_slots
         h.coord.drain()
     assert (max(taken) == 0) is overlaps, taken
     h.finish_all()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_two_layer_guess_prefetches_what_two_layers_agree_on(device):
-    """``prefetch_guess="two_layers"``: layer 0's prefetch of layer 1 plans all of layer 0's top-k
-    (no earlier layer in the forward); layer 1's prefetch of layer 2 plans only the entries layer 0
-    selected too. Rows stay exact (``Harness.step`` checks each against the truth)."""
-    h = Harness(physical_pages=16, device=device, prefetch_next_layer=True, layers=3)
-    h.adapter = DSAOffloadAdapter(h.coord, prefetch_guess="two_layers")
-    assert h.admit(190) and h.admit(230)
-    reqs = sorted(h.kv)
-    gen = torch.Generator().manual_seed(4)
-    drawn, agreed = {}, []
-
-    def draw(seq_len):
-        # Layer 0 draws; layer 1 keeps a random part of it; layer 2 draws afresh.
-        picks = drawn.setdefault(seq_len, [])
-        if len(picks) == 0:
-            picks.append(torch.randperm(seq_len, generator=gen)[:TOPK].tolist())
-        elif len(picks) == 1:
-            keep = int(torch.randint(1, TOPK, (1,), generator=gen))
-            rest = [t for t in torch.randperm(seq_len, generator=gen).tolist() if t not in picks[0]]
-            picks.append(picks[0][:keep] + rest[: TOPK - keep])
-            agreed.append(keep)
-        else:
-            picks.append(torch.randperm(seq_len, generator=gen)[:TOPK].tolist())
-        return picks[-1]
-
-    for _ in range(6):
-        before = _stats(h.coord.prefetch_workspace)["selected"]
-        h.step(reqs, draw)
-        planned = _stats(h.coord.prefetch_workspace)["selected"] - before
-        assert planned == len(reqs) * TOPK + sum(agreed)
-        drawn.clear()
-        agreed.clear()
-        h.coord.drain()
-    h.finish_all()
-
-
-def test_prefetch_guess_must_be_known():
-    h = Harness(device="cpu", prefetch_next_layer=True)
-    with pytest.raises(ValueError, match="prefetch_guess='both'"):
-        DSAOffloadAdapter(h.coord, prefetch_guess="both")
 
 
 def test_prefetch_max_bs_skips_larger_batches():
@@ -591,23 +546,19 @@ def test_plan_on_positions_equals_plan_on_their_locs(n_real):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("prefetch", [False, True, "sm_partition", "two_layers"])
+@pytest.mark.parametrize("prefetch", [False, True, "sm_partition"])
 def test_gpu_swap_in_captured_in_cuda_graph_matches_eager(prefetch):
     """Positions -> locs, plan and load_one_layer in one CUDA graph, replayed with new top-k and a
     padded row, give the same rows, state and KV bytes as eager calls from the same state; with
     the cross-layer prefetch too (its side stream is forked and joined inside the capture), also
-    when that stream is confined to 8 SMs (``prefetch_sms``: a green context's stream) and with
-    the two-layer guess (three layers, so one prefetch is narrowed)."""
+    when that stream is confined to 8 SMs (``prefetch_sms``: a green context's stream)."""
     h = Harness(
         physical_pages=24,
         logical_pages=64,
         buffer_slots=64,
         device="cuda",
         prefetch_next_layer=bool(prefetch),
-        layers=3 if prefetch == "two_layers" else LAYERS,
     )
-    if prefetch == "two_layers":
-        h.adapter = DSAOffloadAdapter(h.coord, prefetch_guess="two_layers")
     if prefetch == "sm_partition":
         from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition
 
@@ -634,7 +585,7 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager(prefetch):
     def run():
         return [
             h.adapter.swap_in_selected_pages(rpi, seq, topk, layer).clone()
-            for layer in range(h.layers)
+            for layer in range(LAYERS)
         ]
 
     def fresh_topk():
@@ -653,7 +604,7 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager(prefetch):
         # The workspace output is reused by every layer (consumed before the next plan): keep copies.
         graph_out = [
             h.adapter.swap_in_selected_pages(rpi, seq, topk, layer).clone()
-            for layer in range(h.layers)
+            for layer in range(LAYERS)
         ]
     for _ in range(4):
         fresh_topk()

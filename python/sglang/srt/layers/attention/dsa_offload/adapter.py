@@ -35,14 +35,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.config import PREFETCH_GUESSES
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     PlanResult,
     PlanWorkspace,
     plan_layer,
 )
-from sglang.srt.mem_cache.sparsity.kv_offload.prefetch_guess import TwoLayerGuess
 
 
 class DSAOffloadAdapter:
@@ -63,9 +61,6 @@ class DSAOffloadAdapter:
         prefetch_max_bs: batches of more requests (the padded CUDA-graph batch size) skip the
             prefetch; 0: none does. A batch's decision is fixed by its shape, so each captured
             graph either always or never prefetches.
-        prefetch_guess: ``"previous_layer"``: the prefetch loads layer L's whole top-k for layer
-            L+1; ``"two_layers"``: only the entries layer L-1 selected too
-            (``kv_offload/prefetch_guess.py``; one more launch, on the prefetch's plan stream).
     """
 
     def __init__(
@@ -74,10 +69,7 @@ class DSAOffloadAdapter:
         prefetch_stream_priority: Optional[int] = None,
         prefetch_stream: Optional[torch.cuda.Stream] = None,
         prefetch_max_bs: int = 0,
-        prefetch_guess: str = "previous_layer",
     ) -> None:
-        if prefetch_guess not in PREFETCH_GUESSES:
-            raise ValueError(f"prefetch_guess={prefetch_guess!r}: use one of {PREFETCH_GUESSES}")
         self.coordinator = coordinator
         self.prefetch_max_bs = prefetch_max_bs
         device = coordinator.device
@@ -89,12 +81,6 @@ class DSAOffloadAdapter:
         self._prefetch_topk = (
             None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
-        self._two_layers = (
-            TwoLayerGuess(ws.max_bs, ws.topk, device)
-            if ws is not None and prefetch_guess == "two_layers"
-            else None
-        )
-        self._sorted_layer: Optional[int] = None  # whose top-k _two_layers sorted last
         self._plan_stream = self._load_stream = None  # CPU: the prefetch runs in order
         if ws is not None and device.type == "cuda":
             if prefetch_stream_priority is None:
@@ -203,12 +189,10 @@ class DSAOffloadAdapter:
         guess.copy_(topk_indices)  # the indexer's buffer is reused by the next layer
         workspace = self.coordinator.prefetch_workspace
         if self._plan_stream is None:  # CPU: in order
-            self._narrow_guess(guess, layer_id - 1)
             self._plan_and_load(req_pool_indices, guess, layer_id, workspace, prefetch=True)
             return
         self._plan_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._plan_stream):
-            self._narrow_guess(guess, layer_id - 1)
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
             self._prefetch_planned.record()
         if self._load_stream is not self._plan_stream:
@@ -217,14 +201,6 @@ class DSAOffloadAdapter:
             self._load(plan, layer_id, prefetch=True)
             self._prefetch_done.record()
         self._prefetch_in_flight = True
-
-    def _narrow_guess(self, guess: torch.Tensor, layer_id: int) -> None:
-        """With ``prefetch_guess="two_layers"``: keep the entries of layer ``layer_id``'s top-k
-        that the layer before it selected in this forward too."""
-        if self._two_layers is None:
-            return
-        self._two_layers.filter_(guess, layer_id, self._sorted_layer == layer_id - 1)
-        self._sorted_layer = layer_id
 
 
 def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:

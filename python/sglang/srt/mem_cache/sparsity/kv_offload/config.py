@@ -20,9 +20,6 @@ from sglang.srt.configs.model_config import (
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_GUESSES = ("previous_layer", "two_layers")
-"""Values of ``prefetch_guess`` (what the cross-layer prefetch loads for the next layer)."""
-
 PAGE_SIZE = 64
 """DSA's KV page size on CUDA; host allocation and sparse slot grants are aligned to it."""
 DSA_BACKEND_NAMES = ("dsa", "nsa")
@@ -78,10 +75,6 @@ class KVOffloadConfig:
             own layer only. Where the layer's compute is too short to hide the rows a guess
             moves (large batches), the prefetch costs more than it saves (docs/kv_offload.md,
             "An SM partition for the prefetch"). Needs ``prefetch_next_layer``.
-        prefetch_guess: what the prefetch loads for layer L+1. ``"previous_layer"`` (default):
-            layer L's whole top-k; ``"two_layers"``: only the entries layer L-1 selected too
-            (``prefetch_guess.py``): fewer rows moved, more of them used, a few more left to
-            layer L+1's own load. Needs ``prefetch_next_layer``.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
@@ -98,7 +91,6 @@ class KVOffloadConfig:
     prefetch_next_layer: bool = False
     prefetch_sms: int = 0
     prefetch_max_bs: int = 0
-    prefetch_guess: str = "previous_layer"
     share_host_pool: bool = True
 
     @classmethod
@@ -208,15 +200,6 @@ class KVOffloadConfig:
             'off; add "prefetch_next_layer": true or drop prefetch_max_bs',
         )
         _require(
-            self.prefetch_guess in PREFETCH_GUESSES,
-            f"prefetch_guess={self.prefetch_guess!r} is not one of {list(PREFETCH_GUESSES)}",
-        )
-        _require(
-            self.prefetch_guess == "previous_layer" or self.prefetch_next_layer,
-            f"prefetch_guess={self.prefetch_guess!r} shapes the cross-layer prefetch, which is "
-            'off; add "prefetch_next_layer": true or drop prefetch_guess',
-        )
-        _require(
             self.status_log_interval >= 0,
             f"status_log_interval={self.status_log_interval} must be >= 0 (0 turns it off)",
         )
@@ -242,9 +225,6 @@ def _require(ok: bool, message: str) -> None:
         raise KVOffloadConfigError(f"--kv-offload-config: {message}.")
 
 
-_JSON_TYPES = {"float": "number", "str": "string"}
-
-
 def _coerce(key: str, value: Any, type_name: Any) -> Any:
     type_name = getattr(type_name, "__name__", type_name)
     if type_name == "bool":
@@ -256,11 +236,8 @@ def _coerce(key: str, value: Any, type_name: Any) -> Any:
     elif type_name == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif type_name == "str":
-        if isinstance(value, str):
-            return value
     raise KVOffloadConfigError(
-        f"--kv-offload-config: {key} must be a JSON {_JSON_TYPES.get(type_name, type_name)}"
+        f"--kv-offload-config: {key} must be a JSON {'number' if type_name == 'float' else type_name}"
         f", got {json.dumps(value)}."
     )
 

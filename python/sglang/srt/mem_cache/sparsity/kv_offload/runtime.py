@@ -239,7 +239,6 @@ def init_offload(runner) -> None:
         coordinator,
         prefetch_stream=prefetch_partition.stream if prefetch_partition else None,
         prefetch_max_bs=config.prefetch_max_bs,
-        prefetch_guess=config.prefetch_guess,
     )
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
