@@ -512,11 +512,8 @@ def server_args(topk: Optional[int], slots: int, offload: bool, a: argparse.Name
         "--mem-fraction-static", str(a.mem_fraction_static),
         "--decode-log-interval", str(a.decode_log_interval),
     ]  # fmt: skip
-    override = {"index_topk": topk} if topk is not None else {}
-    if a.layers:
-        override["num_hidden_layers"] = a.layers
-    if override:
-        args += ["--json-model-override-args", json.dumps(override)]
+    if topk is not None:
+        args += ["--json-model-override-args", json.dumps({"index_topk": topk})]
     if offload:
         cfg = {"sparse_slots_per_req": slots, "status_log_interval": a.status_log_interval}
         cfg.update(a.offload_config)
@@ -551,13 +548,6 @@ def main() -> None:
     p.add_argument("--out", default="tiny_server_gpu.json")
     p.add_argument("--configs", default="topk256", help=f"comma list of {sorted(CONFIGS)}")
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument(
-        "--layers",
-        type=int,
-        default=0,
-        help="the tiny model's layers (0: the fixture's 2); more run the cross-layer prefetch "
-        "between more pairs of layers",
-    )
     p.add_argument("--max-ctx", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
