@@ -264,7 +264,14 @@ class Point:
         return main + pre
 
 
-def verify_rows(point: Point, adapter, graph, trace, topk, eager_steps: int) -> bool:
+def verify_rows(
+    point: Point,
+    adapter,
+    graph: "torch.cuda.CUDAGraph",
+    trace: torch.Tensor,
+    topk: torch.Tensor,
+    eager_steps: int,
+) -> bool:
     """Replay the trace again from the cold state, the last ``eager_steps`` steps eagerly, and
     check that every row each layer resolved holds its token's host row when attention would read
     it (a snapshot on the forward stream right after the layer's swap-in, so the prefetch of the

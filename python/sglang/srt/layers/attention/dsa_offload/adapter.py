@@ -114,13 +114,14 @@ class DSAOffloadAdapter:
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
         coord = self.coordinator
-        in_flight, self._prefetch_in_flight = self._prefetch_in_flight, False
-        forward = torch.cuda.current_stream() if in_flight else None
-        if in_flight:  # the previous layer's prefetch of this one
-            overlap = self._overlaps_prefetch_load
+        # The previous layer's prefetch of this one, if any.
+        forward = torch.cuda.current_stream() if self._prefetch_in_flight else None
+        overlap = forward is not None and self._overlaps_prefetch_load
+        if forward is not None:
             forward.wait_event(self._prefetch_planned if overlap else self._prefetch_done)
+            self._prefetch_in_flight = False
         plan = self._plan_and_load(req_pool_indices, topk_indices, layer_id, coord.workspace)
-        if in_flight and overlap:  # attention reads the prefetched rows too
+        if overlap:  # attention reads the prefetched rows too
             forward.wait_event(self._prefetch_done)
         if self._prefetches(topk_indices.shape[0]) and layer_id + 1 < self.num_layers:
             self._prefetch(req_pool_indices, topk_indices, layer_id + 1)
@@ -211,6 +212,7 @@ def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:
     hits. With ``n`` slots, at least ``n - topk`` slots outside the prefetch's loads are evictable
     beside the hits, so ``n >= 2 * topk`` keeps every victim out of the prefetch's in-flight rows.
     A request holding fewer slots holds its whole context (``slots_for``): its victims are empty
-    slots, which precede every loaded one. So the bound on the largest grant suffices.
+    slots, which precede every loaded one. So the bound on the largest grant suffices. (A request
+    whose slots could not grow with its context is failed at that step by the coordinator.)
     """
     return max_slots >= 2 * topk
