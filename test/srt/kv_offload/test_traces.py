@@ -183,3 +183,43 @@ def test_bench_layer_budgets_runs_and_reports_its_trace(tmp_path):
         assert r["budgets"] == list(range(256, 1025, 128)) and len(r["layer_hit_curves"]) == 3
         assert len(curve) == len(r["layer_hit_curves"][0]) == len(r["budgets"])
         assert curve[-1] > curve[0]  # twice the slots hold more of the returns
+
+
+def test_guess_simulation_counts_what_the_next_layer_uses():
+    """``sim_prefetch_guess.simulate``: with identical layers the previous layer's top-k is a
+    perfect guess (every prefetched row used, only layer 0 loads on the critical path); with
+    disjoint layers none of it is used; the two-layer guess keeps only what layers L-1 and L share.
+    """
+    import sim_prefetch_guess as sim
+
+    steps, layers, k = 6, 3, 8
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(64, generator=gen)[:k] for _ in range(steps)]).int()
+    same = rows[:, None, None, :].expand(steps, layers, 1, k)
+    none = sim.simulate(same, slots=16, guess="none", warm=0)
+    prev = sim.simulate(same, slots=16, guess="previous_layer", warm=0)
+    assert none["prefetched_per_selected"] == 0 and none["critical_per_selected"] > 0
+    assert prev["used_of_prefetched"] == 1.0
+    assert prev["critical_per_selected"] == pytest.approx(none["critical_per_selected"] / layers)
+    # Disjoint layers: layer l selects rows + 100 * l.
+    apart = torch.stack([rows + 100 * layer for layer in range(layers)], dim=1)[:, :, None, :]
+    prev = sim.simulate(apart, slots=16, guess="previous_layer", warm=0)
+    both = sim.simulate(apart, slots=16, guess="two_layers", warm=0)
+    assert prev["prefetched_per_selected"] > 0 and prev["used_of_prefetched"] == 0.0
+    # Layer 1 shares nothing with layer 0, so only layer 0's (whole) top-k is prefetched, for layer
+    # 1: half of what the previous-layer guess moves into layers 1 and 2 (the same LRU histories).
+    assert both["prefetched_per_selected"] == pytest.approx(prev["prefetched_per_selected"] / 2)
+
+
+def test_sim_prefetch_guess_runs_and_writes_its_results(tmp_path):
+    import sim_prefetch_guess as sim
+
+    out = tmp_path / "sim.json"
+    report = sim.main(
+        ["--batch", "1", "--ctx", "2048", "--topk", "128", "--slots", "256", "--layers", "3",
+         "--steps", "6", "--warm", "2", "--share", "0.97", "--churn", "0.4", "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (row,) = report["rows"]
+    assert set(sim.GUESSES) <= set(row)
+    assert row["previous_layer"]["critical_per_selected"] < row["none"]["critical_per_selected"]
