@@ -304,13 +304,12 @@ def verify_rows(
 def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> Dict:
     point = Point(a, bs, ctx, device)
     steps = a.warm + a.steps
-    cfg = realistic.TraceConfig(
+    cfg = realistic.TraceConfig.for_topk(
+        a.topk,
         batch=bs,
         context=ctx,
-        topk=a.topk,
         layers=a.layers,
         steps=steps,
-        window=min(realistic.TraceConfig.window, a.topk // 16),
         churn=a.churn,
         share=a.share,
         seed=a.seed,

@@ -388,15 +388,8 @@ class Bench:
         devbuf = torch.zeros((dev_rows, row), dtype=torch.uint8, device=dev)
         dev_w = devbuf.view(host_w.dtype)
         if a.trace == "realistic":
-            cfg = realistic.TraceConfig(
-                batch=bs,
-                context=ctx - 1,
-                topk=K,
-                layers=2,
-                steps=a.steps,
-                window=min(realistic.TraceConfig.window, K // 16),  # small top-k in smoke runs
-                churn=churn,
-                seed=a.seed,
+            cfg = realistic.TraceConfig.for_topk(
+                K, batch=bs, context=ctx - 1, layers=2, steps=a.steps, churn=churn, seed=a.seed
             )
             trace = realistic.generate(cfg, device=dev)
             trace_stats = realistic.measure(trace[:, :, :1])

@@ -1,8 +1,8 @@
 """How good is the cross-layer prefetch's guess? A CPU simulation of the per-layer LRU on traces.
 
 Replays realistic top-k traces (``traces.py``) through one exact LRU of ``--slots`` tokens per layer
-and request, as the plan kernel keeps it (a hit moves to the most recent end; a miss evicts the least
-recent), with the prefetch as the adapter runs it: after layer L's own plan, an ordinary plan of
+and request (a hit moves to the most recent end; a miss evicts the least recent), with the prefetch
+as the adapter runs it: after layer L's own plan, an ordinary plan of
 layer L+1's LRU with a guess. Per guess it reports, per selected entry, the rows loaded on the
 critical path, the rows prefetched, and the share of prefetched rows that layer L+1 then selected.
 
@@ -14,8 +14,12 @@ Guesses:
   reverted: on the H200 it moved the rows predicted here, but its sort cost more than they saved;
   docs/kv_offload.md, "A guess from two layers").
 
-Simplifications: no GPU tail (every selected token is either in a slot or loaded) and no request
-growth within the replay; timing is not modelled (``bench_exposed.py`` measures that).
+Simplifications: no GPU tail (every selected token is either in a slot or loaded), no request
+growth within the replay, and one plan's entries take the most recent places in row order (the plan
+kernel keeps its hits in their earlier relative order, then its loads; only the order among one
+step's entries differs); timing is not modelled (``bench_exposed.py`` measures that).
+``bench_layer_budgets.lru_hits`` replays the plan's exact order, vectorised, but counts only hits of
+fixed-width rows, not which tokens each plan loads, which the guess's accounting needs.
 
     python benchmark/kv_offload/sim_prefetch_guess.py --out results/sim_prefetch_guess.json
 """
@@ -105,13 +109,12 @@ def main(argv=None) -> Dict:
     rows = []
     for share in (float(x) for x in a.share.split(",")):
         for churn in (float(x) for x in a.churn.split(",")):
-            cfg = realistic.TraceConfig(
+            cfg = realistic.TraceConfig.for_topk(
+                a.topk,
                 batch=a.batch,
                 context=a.ctx,
-                topk=a.topk,
                 layers=a.layers,
                 steps=a.steps,
-                window=min(realistic.TraceConfig.window, a.topk // 16),
                 churn=churn,
                 share=share,
                 seed=a.seed,

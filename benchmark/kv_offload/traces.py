@@ -46,6 +46,12 @@ class TraceConfig:
     share: float = 0.97  # correlation of adjacent layers. relevance
     seed: int = 0
 
+    @classmethod
+    def for_topk(cls, topk: int, **fields) -> "TraceConfig":
+        """A workload of ``topk`` entries whose local window keeps at most the default's share of
+        them (128 of DeepSeek-V3.2's 2048: a sixteenth), so small smoke-run top-k stay drifting."""
+        return cls(topk=topk, window=min(cls.window, topk // 16), **fields)
+
 
 def _rho_for_churn(churn: float, free: int, pool: int, seed: int) -> float:
     """The AR(1) coefficient that gives ``churn`` of ``free`` best of ``pool`` per step (bisection

@@ -28,6 +28,12 @@ def test_rows_hold_sinks_window_and_unique_positions_in_the_context():
             assert set(range(cfg.sinks)) <= pos and set(range(n - cfg.window, n)) <= pos
 
 
+def test_for_topk_keeps_the_window_a_sixteenth_of_small_topk():
+    assert traces.TraceConfig.for_topk(2048).window == traces.TraceConfig.window == 128
+    small = traces.TraceConfig.for_topk(256, batch=3, churn=0.2)
+    assert (small.topk, small.window, small.batch, small.churn) == (256, 16, 3, 0.2)
+
+
 @pytest.mark.parametrize("churn", [0.1, 0.4])
 def test_measured_churn_overlap_and_returns(churn):
     cfg = traces.TraceConfig(**SMALL, churn=churn)
