@@ -221,6 +221,7 @@ class Point:
                 prefetch_next_layer=prefetch,
             )
             self.adapters[prefetch] = DSAOffloadAdapter(coord, a.prefetch_stream_priority)
+        self._coordinator_args = (self.r2t.req_to_token, self.alloc, controller, self.sparse)
         admitting = self.adapters[False].coordinator
         for r in range(bs):
             locs = self.alloc.alloc_extend_to_host(ctx)
@@ -232,6 +233,17 @@ class Point:
         self.cold = [
             t.clone() for t in (self.sparse.loc_to_slot, self.sparse.slot_loc, self.sparse.lru)
         ]
+
+    def union_coordinator(self):
+        """A coordinator over the same state whose prefetch guesses two layers' top-k."""
+        from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
+
+        return KVOffloadCoordinator(
+            *self._coordinator_args,
+            max_bs=self.bs,
+            prefetch_next_layer=True,
+            prefetch_guess_layers=2,
+        )
 
     def _fill_host(self, seed: int) -> None:
         """Random rows (a repeated 64 MB tile: the bytes moved do not depend on their values)."""
@@ -257,11 +269,11 @@ class Point:
         ):
             t.copy_(c)
 
-    def stats(self, prefetch: bool) -> List[int]:
-        coord = self.adapters[prefetch].coordinator
+    @staticmethod
+    def stats(coord) -> List[int]:
         main = coord.workspace.stats.tolist()
-        pre = coord.prefetch_workspace.stats.tolist() if prefetch else [0] * len(main)
-        return main + pre
+        ws = coord.prefetch_workspace
+        return main + (ws.stats.tolist() if ws is not None else [0] * len(main))
 
 
 def verify_rows(
@@ -369,13 +381,17 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        for serial in (False, True) if a.prefetch_serial else (False,):
-            name = variant + ("+serial" if serial else "")
-            adapters[name] = DSAOffloadAdapter(
-                point.adapters[True].coordinator, prefetch_stream=part.stream
-            )
+        coord = point.adapters[True].coordinator
+        forms = [("", coord, False)]
+        if a.prefetch_serial:  # the form before the next layer's load ran beside the prefetch's
+            forms.append(("+serial", coord, True))
+        if a.prefetch_union:
+            forms.append(("+union", point.union_coordinator(), False))
+        for tag, coord, serial in forms:
+            name = variant + tag
+            adapters[name] = DSAOffloadAdapter(coord, prefetch_stream=part.stream)
             adapters[name].num_real_reqs.fill_(bs)
-            if serial:  # the form before the next layer's load ran beside the prefetch's
+            if serial:
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
@@ -419,12 +435,12 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             point.reset()
             if hisparse is not None:
                 hisparse.reset()
-        prefetch = variant.startswith("offload+prefetch")
+        coord = adapters.get(variant, point.adapters[False]).coordinator
         before = None
         for t in range(steps):
             topk.copy_(trace[t])
             if t == a.warm:
-                before = point.stats(prefetch)
+                before = point.stats(coord)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True
@@ -440,7 +456,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 elapsed = (time.perf_counter() - t0) * 1e3
             if t >= a.warm:
                 times.append(elapsed)
-        after = point.stats(prefetch)
+        after = point.stats(coord)
         delta = [x - y for x, y in zip(after, before)]
         exact = None
         if cuda and variant.startswith("offload") and a.verify_steps:
@@ -449,7 +465,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         entry = dict(step_ms=ms, ms_per_layer=ms / a.layers)
         if variant.startswith("offload"):
             selected, hits, tail, loaded, _, _, _, pre_loaded = delta
-            flags = int(point.adapters[prefetch].coordinator.workspace.error_flags[0])
+            flags = int(coord.workspace.error_flags[0])
+            if coord.prefetch_workspace is not None:
+                flags |= int(coord.prefetch_workspace.error_flags[0])
             assert flags == 0, f"plan error flags {flags} in {variant}"
             per = a.steps * a.layers
             assert exact is not False, f"{variant} resolved a row to the wrong KV"
@@ -504,7 +522,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
-            ("+twolayers", "two-layer guess"),  # 14556ee, reverted (slower); redraws its results
+            ("+twolayers", "two-layer guess"),  # 14556ee / this stop's stamp form: reverted
+            ("+union", "guess of two layers' top-k"),
         )
         text = next((text for tag, text in forms if tag in key), None)
         where = f"prefetch load on {green_sms(key)} SMs"
@@ -570,6 +589,12 @@ def main() -> None:
         action="store_true",
         help="also time each --prefetch-green-sms variant with the next layer's plan waiting for "
         "the whole prefetch (the form before its load ran beside the prefetch's load)",
+    )
+    p.add_argument(
+        "--prefetch-union",
+        action="store_true",
+        help="also time each --prefetch-green-sms variant with a guess of two layers' top-k "
+        "(prefetch_guess_layers 2: layer L's and layer L-1's)",
     )
     p.add_argument(
         "--verify-steps",
