@@ -221,7 +221,6 @@ class Point:
                 prefetch_next_layer=prefetch,
             )
             self.adapters[prefetch] = DSAOffloadAdapter(coord, a.prefetch_stream_priority)
-        self._coordinator_args = (self.r2t.req_to_token, self.alloc, controller, self.sparse)
         admitting = self.adapters[False].coordinator
         for r in range(bs):
             locs = self.alloc.alloc_extend_to_host(ctx)
@@ -233,17 +232,6 @@ class Point:
         self.cold = [
             t.clone() for t in (self.sparse.loc_to_slot, self.sparse.slot_loc, self.sparse.lru)
         ]
-
-    def union_coordinator(self):
-        """A coordinator over the same state whose prefetch guesses two layers' top-k."""
-        from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
-
-        return KVOffloadCoordinator(
-            *self._coordinator_args,
-            max_bs=self.bs,
-            prefetch_next_layer=True,
-            prefetch_guess_layers=2,
-        )
 
     def _fill_host(self, seed: int) -> None:
         """Random rows (a repeated 64 MB tile: the bytes moved do not depend on their values)."""
@@ -381,17 +369,13 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        coord = point.adapters[True].coordinator
-        forms = [("", coord, False)]
-        if a.prefetch_serial:  # the form before the next layer's load ran beside the prefetch's
-            forms.append(("+serial", coord, True))
-        if a.prefetch_union:
-            forms.append(("+union", point.union_coordinator(), False))
-        for tag, coord, serial in forms:
-            name = variant + tag
-            adapters[name] = DSAOffloadAdapter(coord, prefetch_stream=part.stream)
+        for serial in (False, True) if a.prefetch_serial else (False,):
+            name = variant + ("+serial" if serial else "")
+            adapters[name] = DSAOffloadAdapter(
+                point.adapters[True].coordinator, prefetch_stream=part.stream
+            )
             adapters[name].num_real_reqs.fill_(bs)
-            if serial:
+            if serial:  # the form before the next layer's load ran beside the prefetch's
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
@@ -522,7 +506,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
-            ("+twolayers", "two-layer guess"),  # 14556ee / this stop's stamp form: reverted
+            # Reverted guesses (14556ee, b3a8c0f); kept to redraw their results.
+            ("+twolayers", "two-layer guess"),
             ("+union", "guess of two layers' top-k"),
         )
         text = next((text for tag, text in forms if tag in key), None)
@@ -589,12 +574,6 @@ def main() -> None:
         action="store_true",
         help="also time each --prefetch-green-sms variant with the next layer's plan waiting for "
         "the whole prefetch (the form before its load ran beside the prefetch's load)",
-    )
-    p.add_argument(
-        "--prefetch-union",
-        action="store_true",
-        help="also time each --prefetch-green-sms variant with a guess of two layers' top-k "
-        "(prefetch_guess_layers 2: layer L's and layer L-1's)",
     )
     p.add_argument(
         "--verify-steps",

@@ -53,14 +53,11 @@ class Harness:
         debug=True,
         prefetch_next_layer=False,
         topk=TOPK,
-        layers=LAYERS,
-        prefetch_guess_layers=1,
     ):
         self.device = device
         self.topk = topk
-        self.layers = layers
         self.pool = offload_device_pool(
-            physical_pages * P, logical_pages * P, layers, (torch.float8_e4m3fn, ROW), device
+            physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
             logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, device, self.pool, False
@@ -69,7 +66,7 @@ class Harness:
         self.controller = KVOffloadCacheController(self.alloc, self.host, debug=debug)
         self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, device, False)
         self.sparse = SparseCacheState(
-            num_layers=layers,
+            num_layers=LAYERS,
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=max_reqs,
             buffer_slots=buffer_slots,
@@ -84,7 +81,6 @@ class Harness:
             self.sparse,
             max_bs=max_reqs,
             prefetch_next_layer=prefetch_next_layer,
-            prefetch_guess_layers=prefetch_guess_layers,
         )
         self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
@@ -100,7 +96,7 @@ class Harness:
     def write_rows(self, locs, rows_per_layer):
         phys = self.alloc.full_to_hisparse_device_index_mapping[locs]
         assert bool((phys > 0).all())
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             self.pool.device_row_view(layer)[phys] = rows_per_layer[layer]
 
     def admit(self, prompt_len) -> bool:
@@ -116,7 +112,7 @@ class Harness:
             return False
         r = self.free_reqs.pop()
         self.r2t.req_to_token[r, :prompt_len] = locs.to(torch.int32)
-        rows = [self.rand_rows(prompt_len) for _ in range(self.layers)]
+        rows = [self.rand_rows(prompt_len) for _ in range(LAYERS)]
         self.write_rows(locs, rows)
         self.kv[r] = rows
         self.coord.admit(r, prompt_len)
@@ -135,8 +131,8 @@ class Harness:
         host = self.alloc.loc_to_host[locs].cpu()
         pages = torch.unique(host // P)
         whole = (pages[:, None] * P + torch.arange(P)).reshape(-1)
-        rows = [self.rand_rows(prompt_len).cpu() for _ in range(self.layers)]
-        for layer in range(self.layers):
+        rows = [self.rand_rows(prompt_len).cpu() for _ in range(LAYERS)]
+        for layer in range(LAYERS):
             view = self.host.host_row_view(layer)
             view[whole] = self.rand_rows(whole.numel()).cpu()
             view[host] = rows[layer]
@@ -155,9 +151,9 @@ class Harness:
         if new is None:
             return False
         self.r2t.req_to_token[r, n] = new.to(torch.int32)
-        rows = [self.rand_rows(1) for _ in range(self.layers)]
+        rows = [self.rand_rows(1) for _ in range(LAYERS)]
         self.write_rows(new, rows)
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             self.kv[r][layer] = torch.cat([self.kv[r][layer], rows[layer]])
         return True
 
@@ -173,7 +169,7 @@ class Harness:
         # A padded CUDA-graph row: stale request index, must be left alone.
         padded = torch.cat([rpi, rpi[:1]])
         self.adapter.num_real_reqs.fill_(bs)
-        for layer in range(self.layers):
+        for layer in range(LAYERS):
             positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(self.topk))]
             topk = torch.full((bs + 1, self.topk), -1, dtype=torch.int32, device=self.device)
             # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
@@ -350,57 +346,6 @@ def test_next_layers_victims_avoid_the_prefetchs_rows_only_with_twice_topk_slots
         h.coord.drain()
     assert (max(taken) == 0) is overlaps, taken
     h.finish_all()
-
-
-@pytest.mark.parametrize("guess_layers", [1, 2])
-def test_two_layer_guess_prefetches_what_either_earlier_layer_selected(guess_layers):
-    """``prefetch_guess_layers=2``: layer L's prefetch for layer L+1 carries the top-k of layers L
-    and L-1 (layer 0's only its own). Layer 0 selects a set A, layer 1 a set B disjoint from it,
-    layer 2 selects A again: with both layers in the guess, layer 2's own plan finds all of A
-    resident and loads nothing; with layer 1's top-k alone it loads A's misses itself. Rows stay
-    exact either way (``Harness.step`` checks them)."""
-    h = Harness(
-        physical_pages=24,
-        device="cpu",
-        prefetch_next_layer=True,
-        layers=3,
-        prefetch_guess_layers=guess_layers,
-    )
-    assert h.adapter._overlaps_prefetch_load  # 64 slots >= 16 * guess_layers + 16
-    assert h.admit(190) and h.admit(230)
-    reqs = sorted(h.kv)
-    gen = torch.Generator().manual_seed(7)
-    calls = {}
-
-    def draw(seq_len):
-        layer, a = calls.get(seq_len, (0, None))
-        perm = torch.randperm(seq_len, generator=gen).tolist()
-        if layer == 0:
-            a = perm[:TOPK]
-        calls[seq_len] = (layer + 1, a)
-        if layer == 1:
-            return [p for p in perm if p not in a][:TOPK]
-        if layer == 2:
-            del calls[seq_len]
-        return a
-
-    last_layer_loads = []
-    for _ in range(8):
-        h.step(reqs, draw)  # checks every resolved row against the truth
-        last_layer_loads.append(int(h.coord.workspace.miss_count[0]))  # layer 2's own plan
-        h.coord.drain()
-    pre = _stats(h.coord.prefetch_workspace)
-    assert pre["selected"] == 8 * len(reqs) * TOPK * (1 + guess_layers)
-    if guess_layers == 2:
-        assert last_layer_loads == [0] * 8
-    else:
-        assert min(last_layer_loads) > 0
-    h.finish_all()
-
-
-def test_guess_wider_than_the_slots_is_refused():
-    with pytest.raises(ValueError, match="prefetch_guess_layers=5: the prefetch's guess of 80"):
-        Harness(device="cpu", prefetch_next_layer=True, prefetch_guess_layers=5)
 
 
 def test_prefetch_max_bs_skips_larger_batches():

@@ -22,14 +22,12 @@ side stream, while this layer's attention and MLP and the next layer's indexer r
 select mostly the same tokens, so the next layer's own plan then finds most of them resident and
 loads only what the guess missed. The prefetch is an ordinary plan of the next layer's LRU (an
 extra step with the guess), so a wrong guess costs bandwidth and LRU order, never correctness.
-The guess is the top-k of this layer, or of this and the previous layer (the coordinator's
-``prefetch_guess_layers``); each layer's plan kernel writes its part (``plan_layer(guess_out=)``),
-so the guess needs no launch of its own. The next layer's plan waits for the prefetch's plan; its
-own load of what the guess missed then runs beside the prefetch's load, and its attention waits for
-both (events, captured into the CUDA graph as forks and joins). That is safe when a request's slots
-are at least the guess's width plus the top-k: the next layer's victims are then always slots the
-prefetch did not load into (see ``_victims_avoid_prefetch``); with fewer slots the next layer's
-plan waits for the whole prefetch.
+This layer's plan kernel writes the guess (``plan_layer(guess_out=)``), so it needs no launch of
+its own. The next layer's plan waits for the prefetch's plan; its own load of what the guess missed
+then runs beside the prefetch's load, and its attention waits for both (events, captured into the
+CUDA graph as forks and joins). That is safe when a request's slots are at least twice the top-k:
+the next layer's victims are then always slots the prefetch did not load into (see
+``_victims_avoid_prefetch``); with fewer slots the next layer's plan waits for the whole prefetch.
 """
 
 from __future__ import annotations
@@ -80,15 +78,8 @@ class DSAOffloadAdapter:
         self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=device)
         self.num_layers = coordinator.sparse_cache.num_layers
         ws = coordinator.prefetch_workspace
-        # The guess: the top-k of the last ``guess_layers`` layers (the coordinator's prefetch
-        # workspace is that wide), each layer's plan writing its own part, layer % guess_layers.
-        self._guess_layers = 0 if ws is None else ws.topk // coordinator.workspace.topk
         self._prefetch_topk = (
-            None
-            if ws is None
-            else ws.out_indices.new_full(
-                (ws.max_bs, self._guess_layers, ws.topk // self._guess_layers), -1
-            )
+            None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
         self._plan_stream = self._load_stream = None  # CPU: the prefetch runs in order
         if ws is not None and device.type == "cuda":
@@ -101,7 +92,7 @@ class DSAOffloadAdapter:
         self._prefetch_done = torch.cuda.Event() if on_cuda else None
         self._prefetch_in_flight = False
         self._overlaps_prefetch_load = ws is not None and _victims_avoid_prefetch(
-            coordinator.sparse_cache.max_slots, coordinator.workspace.topk, ws.topk
+            coordinator.sparse_cache.max_slots, ws.topk
         )
 
     def wait_for_pending_backup(self) -> None:
@@ -131,18 +122,14 @@ class DSAOffloadAdapter:
             self._prefetch_in_flight = False
         bs = topk_indices.shape[0]
         prefetches = self._prefetches(bs) and layer_id + 1 < self.num_layers
-        # The plan writes its part of the next layer's guess (the indexer's buffer is reused by
-        # that layer); the parts of earlier layers stay.
-        guesses = self._prefetch_topk[:bs] if prefetches else None
-        guess = None if guesses is None else guesses[:, layer_id % self._guess_layers]
+        # The plan writes the next layer's guess (the indexer's buffer is reused by that layer).
+        guess = self._prefetch_topk[:bs] if prefetches else None
         plan = self._plan(req_pool_indices, topk_indices, layer_id, coord.workspace, guess)
         self._load(plan, layer_id, prefetch=False)
         if overlap:  # attention reads the prefetched rows too
             forward.wait_event(self._prefetch_done)
         if prefetches:
-            if layer_id == 0 and self._guess_layers > 1:  # no earlier layer in this step
-                guesses[:, 1:].fill_(-1)
-            self._prefetch(req_pool_indices, guesses.view(bs, -1), layer_id + 1)
+            self._prefetch(req_pool_indices, guess, layer_id + 1)
         return plan.out_indices
 
     def _prefetches(self, bs: int) -> bool:
@@ -190,7 +177,7 @@ class DSAOffloadAdapter:
             )
 
     def _prefetch(self, req_pool_indices: torch.Tensor, guess: torch.Tensor, layer_id: int) -> None:
-        """Plan and load ``guess`` (from the previous layer's top-k) for ``layer_id``."""
+        """Plan and load ``guess`` (the previous layer's top-k, written by its plan) for ``layer_id``."""
         workspace = self.coordinator.prefetch_workspace
         if self._plan_stream is None:  # CPU: in order
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
@@ -208,16 +195,15 @@ class DSAOffloadAdapter:
         self._prefetch_in_flight = True
 
 
-def _victims_avoid_prefetch(max_slots: int, topk: int, guess: int) -> bool:
+def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:
     """Whether a layer's plan can run while the prefetch's load into that layer is in flight.
 
-    The prefetch loads at most ``guess`` rows (its guess's entries) into slots it moves to the most
-    recent end of the LRU; the layer's plan then evicts at most ``topk - hits`` slots, least recent
-    first, never one it hits. With ``n`` slots, at least ``n - guess`` slots outside the prefetch's
-    loads are evictable beside the hits, so ``n >= guess + topk`` keeps every victim out of the
-    prefetch's in-flight rows. A request holding fewer slots holds its whole context
-    (``slots_for``): its victims are empty slots, which precede every loaded one. So the bound on
-    the largest grant suffices. (A request whose slots could not grow with its context is failed
-    at that step by the coordinator.)
+    The prefetch loads at most ``topk`` rows into slots it moves to the most recent end of the LRU;
+    the layer's plan then evicts at most ``topk - hits`` slots, least recent first, never one it
+    hits. With ``n`` slots, at least ``n - topk`` slots outside the prefetch's loads are evictable
+    beside the hits, so ``n >= 2 * topk`` keeps every victim out of the prefetch's in-flight rows.
+    A request holding fewer slots holds its whole context (``slots_for``): its victims are empty
+    slots, which precede every loaded one. So the bound on the largest grant suffices. (A request
+    whose slots could not grow with its context is failed at that step by the coordinator.)
     """
-    return max_slots >= guess + topk
+    return max_slots >= 2 * topk

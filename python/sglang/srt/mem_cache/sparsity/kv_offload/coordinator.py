@@ -91,7 +91,6 @@ class KVOffloadCoordinator:
         status_log_interval: int = 0,
         forward_stream: Optional[torch.Stream] = None,
         prefetch_next_layer: bool = False,
-        prefetch_guess_layers: int = 1,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -107,16 +106,8 @@ class KVOffloadCoordinator:
         )
         # Cross-layer prefetch plans into its own workspace: it runs beside the next layer's
         # indexer and this layer's attention, which still read the main one.
-        # Its guess holds the top-k of the last ``prefetch_guess_layers`` layers.
-        guess_width = prefetch_guess_layers * sparse_cache.topk
-        if prefetch_next_layer and not 1 <= guess_width <= sparse_cache.max_slots:
-            raise ValueError(
-                f"prefetch_guess_layers={prefetch_guess_layers}: the prefetch's guess of "
-                f"{guess_width} entries must fit a request's {sparse_cache.max_slots} sparse "
-                "slots; use fewer layers or more sparse_slots_per_req"
-            )
         self.prefetch_workspace = (
-            PlanWorkspace(max_bs, guess_width, sparse_cache.max_slots, self.device)
+            PlanWorkspace(max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device)
             if prefetch_next_layer
             else None
         )
