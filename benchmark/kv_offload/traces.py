@@ -79,11 +79,14 @@ def _rho_for_churn(churn: float, free: int, pool: int, seed: int) -> float:
     return (lo + hi) / 2
 
 
-def generate(cfg: TraceConfig, device="cpu") -> torch.Tensor:
+def generate(cfg: TraceConfig, device="cpu", scores: bool = False):
     """``(steps, layers, batch, topk)`` int32 token positions, unique per row.
 
     At step ``t`` the context is ``context - steps + 1 + t`` positions; every row holds the sinks,
-    the window and ``topk - sinks - window`` drifting picks from the positions in between.
+    the window and ``topk - sinks - window`` drifting picks from the positions in between. With
+    ``scores``, also the ``(steps, layers, batch, context)`` relevance each pick was ranked by
+    (-inf for the sinks, the window and positions not yet in the context): what a policy that
+    read the indexer's scores would know.
     """
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     free = cfg.topk - cfg.sinks - cfg.window
@@ -102,6 +105,7 @@ def generate(cfg: TraceConfig, device="cpu") -> torch.Tensor:
     a, b = math.sqrt(cfg.share), math.sqrt(1 - cfg.share)
     positions = torch.arange(pool, device=device)
     out = torch.empty((cfg.steps, cfg.layers, cfg.batch, cfg.topk), dtype=torch.int32)
+    relevance = torch.empty((cfg.steps, cfg.layers, cfg.batch, pool)) if scores else None
     shared_rho = sum(rhos) / len(rhos)
     for t in range(cfg.steps):
         n = cfg.context - cfg.steps + 1 + t
@@ -112,6 +116,8 @@ def generate(cfg: TraceConfig, device="cpu") -> torch.Tensor:
         for layer in range(cfg.layers):
             score = (a * shared + b * own[layer]).masked_fill(~middle, -math.inf)
             picks = score.topk(free, dim=1).indices
+            if scores:
+                relevance[t, layer] = score.cpu()
             out[t, layer] = torch.cat([fixed, picks], dim=1).to(torch.int32).cpu()
             rho = rhos[layer]
             own[layer] = rho * own[layer] + math.sqrt(1 - rho * rho) * torch.randn(
@@ -120,7 +126,7 @@ def generate(cfg: TraceConfig, device="cpu") -> torch.Tensor:
         shared = shared_rho * shared + math.sqrt(1 - shared_rho**2) * torch.randn(
             shape, generator=g, device=device
         )
-    return out
+    return (out, relevance) if scores else out
 
 
 def measure(trace: torch.Tensor) -> Dict[str, object]:
