@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -42,24 +42,23 @@ import traces as realistic  # noqa: E402
 from bench_layer_budgets import lru_hits  # noqa: E402
 
 
-def belady_hits(trace: torch.Tensor, capacity: int, context: int, first: int) -> torch.Tensor:
-    """Hits per row of Belady's MIN with ``capacity`` slots replaying ``trace``.
+def _replay(
+    trace: torch.Tensor,
+    capacity: int,
+    context: int,
+    first: int,
+    evict_key: Callable[[int], torch.Tensor],
+) -> torch.Tensor:
+    """Hits per row of a cache of ``capacity`` positions replaying ``trace``.
 
-    ``trace``: ``(steps, rows, topk)`` positions (unique per row and step, ``topk <= capacity``).
-    Returns ``(rows,)`` hits counted from step ``first`` on.
+    ``trace``: ``(steps, rows, topk)`` positions (unique per row and step). After each step its
+    whole top-k is resident; over capacity, the residents it does not select go largest
+    ``evict_key(t)`` (``(rows, context)``) first. Returns ``(rows,)`` hits from step ``first`` on.
     """
     steps, rows, topk = trace.shape
     if capacity < topk:
         raise ValueError(f"capacity {capacity} below top-k {topk}: a step cannot fit")
     row_ids = torch.arange(rows)[:, None]
-    never = steps  # next use of a position not selected again
-    # next_use[t][row, position]: the first step after t that selects it.
-    next_use = []
-    upcoming = torch.full((rows, context), never, dtype=torch.int32)
-    for t in reversed(range(steps)):
-        next_use.append(upcoming.clone())
-        upcoming[row_ids, trace[t].long()] = t
-    next_use.reverse()
     resident = torch.zeros((rows, context), dtype=torch.bool)
     hits = torch.zeros(rows, dtype=torch.int64)
     for t in range(steps):
@@ -71,44 +70,35 @@ def belady_hits(trace: torch.Tensor, capacity: int, context: int, first: int) ->
         n = int(excess.max())
         if n <= 0:
             continue
-        # Farthest next use first among the residents this step does not select.
-        key = torch.where(resident, next_use[t], -1)
-        key[row_ids, sel] = -1
-        far = key.topk(n, dim=1).indices
+        key = torch.where(resident, evict_key(t), -math.inf)
+        key[row_ids, sel] = -math.inf
+        victims = key.topk(n, dim=1).indices
         drop = torch.arange(n)[None, :] < excess.clamp(min=0)[:, None]
-        resident[row_ids.expand(-1, n)[drop], far[drop]] = False
+        resident[row_ids.expand(-1, n)[drop], victims[drop]] = False
     return hits
+
+
+def belady_hits(trace: torch.Tensor, capacity: int, context: int, first: int) -> torch.Tensor:
+    """Hits per row of Belady's MIN: the resident selected again farthest in the future goes first
+    (``trace``: ``(steps, rows, topk)``; ``topk <= capacity``)."""
+    steps, rows, _ = trace.shape
+    row_ids = torch.arange(rows)[:, None]
+    # next_use[t][row, position]: the first step after t that selects it (``steps``: none does).
+    next_use = []
+    upcoming = torch.full((rows, context), float(steps))
+    for t in reversed(range(steps)):
+        next_use.append(upcoming.clone())
+        upcoming[row_ids, trace[t].long()] = t
+    next_use.reverse()
+    return _replay(trace, capacity, context, first, lambda t: next_use[t])
 
 
 def score_aware_hits(
     trace: torch.Tensor, relevance: torch.Tensor, capacity: int, first: int
 ) -> torch.Tensor:
-    """Hits per row of the policy that evicts the lowest-scored residents the step does not select.
-
-    ``trace``: ``(steps, rows, topk)`` positions; ``relevance``: ``(steps, rows, context)`` scores.
-    Returns ``(rows,)`` hits counted from step ``first`` on.
-    """
-    steps, rows, topk = trace.shape
-    if capacity < topk:
-        raise ValueError(f"capacity {capacity} below top-k {topk}: a step cannot fit")
-    row_ids = torch.arange(rows)[:, None]
-    resident = torch.zeros((rows, relevance.shape[2]), dtype=torch.bool)
-    hits = torch.zeros(rows, dtype=torch.int64)
-    for t in range(steps):
-        sel = trace[t].long()
-        if t >= first:
-            hits += resident[row_ids, sel].sum(dim=1)
-        resident[row_ids, sel] = True
-        excess = resident.sum(dim=1) - capacity
-        n = int(excess.max())
-        if n <= 0:
-            continue
-        key = torch.where(resident, -relevance[t], -math.inf)  # lowest score first
-        key[row_ids, sel] = -math.inf
-        low = key.topk(n, dim=1).indices
-        drop = torch.arange(n)[None, :] < excess.clamp(min=0)[:, None]
-        resident[row_ids.expand(-1, n)[drop], low[drop]] = False
-    return hits
+    """Hits per row of the policy that evicts the lowest-scored residents first (``trace``:
+    ``(steps, rows, topk)``; ``relevance``: ``(steps, rows, context)`` scores)."""
+    return _replay(trace, capacity, relevance.shape[2], first, lambda t: -relevance[t])
 
 
 def run_config(a, share: float, churn: float) -> Dict:
