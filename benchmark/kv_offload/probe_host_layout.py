@@ -20,7 +20,7 @@ The misses are a set difference with the previous step, not an LRU replay: the p
 the rows lie, not how many there are. The first ``--warm`` steps warm up; the rest are timed as one
 sequence (CUDA events), and memcpy of the same bytes from the same buffer is the ceiling.
 
-    python benchmark/kv_offload/probe_host_layout.py --bs 32,128 --out results/probe_host_layout-h200.json
+    python3 benchmark/kv_offload/probe_host_layout.py --bs 32,64,128 --out probe_host_layout.json
 """
 
 from __future__ import annotations

@@ -177,7 +177,8 @@ class DSAOffloadAdapter:
             )
 
     def _prefetch(self, req_pool_indices: torch.Tensor, guess: torch.Tensor, layer_id: int) -> None:
-        """Plan and load ``guess`` (the previous layer's top-k, written by its plan) for ``layer_id``."""
+        """Plan and load ``guess`` (the previous layer's top-k, written by its plan) into
+        ``layer_id``."""
         workspace = self.coordinator.prefetch_workspace
         if self._plan_stream is None:  # CPU: in order
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
