@@ -97,7 +97,7 @@ def main(argv=None) -> Dict:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--slots", type=int, default=4096)
+    p.add_argument("--slots", default="4096", help="slots per request; a comma list runs each")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm", type=int, default=4)
@@ -120,18 +120,21 @@ def main(argv=None) -> Dict:
                 seed=a.seed,
             )
             trace = realistic.generate(cfg)
-            row = dict(share=share, churn=churn, trace_stats=realistic.measure(trace))
-            row.update({g: simulate(trace, a.slots, g, a.warm) for g in GUESSES})
-            rows.append(row)
-            print(
-                f"share {share} churn {churn}: "
-                + " | ".join(
-                    f"{g} critical {row[g]['critical_per_selected']:.3f} prefetched "
-                    f"{row[g]['prefetched_per_selected']:.3f} used {row[g]['used_of_prefetched']:.2f}"
-                    for g in GUESSES
-                ),
-                flush=True,
-            )
+            stats = realistic.measure(trace)
+            for slots in (int(x) for x in a.slots.split(",")):
+                row = dict(share=share, churn=churn, slots=slots, trace_stats=stats)
+                row.update({g: simulate(trace, slots, g, a.warm) for g in GUESSES})
+                rows.append(row)
+                print(
+                    f"share {share} churn {churn} slots {slots}: "
+                    + " | ".join(
+                        f"{g} critical {row[g]['critical_per_selected']:.3f} prefetched "
+                        f"{row[g]['prefetched_per_selected']:.3f} "
+                        f"used {row[g]['used_of_prefetched']:.2f}"
+                        for g in GUESSES
+                    ),
+                    flush=True,
+                )
     out = dict(args=vars(a), rows=rows)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
