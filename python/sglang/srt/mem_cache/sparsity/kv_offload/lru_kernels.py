@@ -6,6 +6,8 @@ implemented in plain torch) in :mod:`lru_ref`; the kernel equals it bit for bit.
 
 Program outline (``b`` = row, ``r`` = request, ``n`` = its slots):
 
+0. with ``guess_out``, write the row's entries that name a loc (-1 elsewhere): the cross-layer
+   prefetch's guess for the next layer.
 1. gather ``loc_to_slot[t]`` for the row's top-k -> hits; for non-hits gather ``loc_to_tail[t]``
    -> tail rows; the rest are misses.
 2. clear the row's slot mark scratch; mark hit slots; claim each missing loc in ``loc_to_slot``
