@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple, Union
 
 import torch
 
@@ -79,7 +79,9 @@ def _rho_for_churn(churn: float, free: int, pool: int, seed: int) -> float:
     return (lo + hi) / 2
 
 
-def generate(cfg: TraceConfig, device="cpu", scores: bool = False):
+def generate(
+    cfg: TraceConfig, device="cpu", scores: bool = False
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``(steps, layers, batch, topk)`` int32 token positions, unique per row.
 
     At step ``t`` the context is ``context - steps + 1 + t`` positions; every row holds the sinks,
