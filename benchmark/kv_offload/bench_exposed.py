@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
 from bench_common import prepare_environment  # noqa: E402
 from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
+from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 7168
@@ -379,6 +380,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
+    kernels: Dict[str, List[Kernel]] = {}  # --timeline: the profiled step's kernels per variant
     # Green-context variants last: a capture that fails there leaves the others measured.
     for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
         point.reset()
@@ -420,11 +422,17 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             if hisparse is not None:
                 hisparse.reset()
         coord = adapters.get(variant, point.adapters[False]).coordinator
-        before = None
+        # With --timeline the last step is replayed under the profiler, outside the timing.
+        timed_end = steps - 1 if cuda and a.timeline else steps
+        before = after = None
         for t in range(steps):
             topk.copy_(trace[t])
             if t == a.warm:
                 before = point.stats(coord)
+            if t == timed_end:
+                after = point.stats(coord)
+                kernels[variant] = profile_kernels(graph.replay)
+                continue
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True
@@ -440,7 +448,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 elapsed = (time.perf_counter() - t0) * 1e3
             if t >= a.warm:
                 times.append(elapsed)
-        after = point.stats(coord)
+        after = after or point.stats(coord)
         delta = [x - y for x, y in zip(after, before)]
         exact = None
         if cuda and variant.startswith("offload") and a.verify_steps:
@@ -453,7 +461,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             if coord.prefetch_workspace is not None:
                 flags |= int(coord.prefetch_workspace.error_flags[0])
             assert flags == 0, f"plan error flags {flags} in {variant}"
-            per = a.steps * a.layers
+            per = (timed_end - a.warm) * a.layers
             assert exact is not False, f"{variant} resolved a row to the wrong KV"
             entry.update(
                 rows_exact=exact,
@@ -461,6 +469,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 loaded_rows_per_layer=loaded / per,
                 prefetched_rows_per_layer=pre_loaded / per,
                 loaded_mb_per_layer=loaded * FP8_ROW_BYTES / per / 1e6,
+            )
+        if variant in kernels:
+            computed = kernels["compute"]
+            entry["timeline"] = layer_breakdown(
+                kernels[variant],
+                compute_names={k.name for k in computed},
+                read_name=computed[0].name,
+                copy_tag="copy_rows",
             )
         out[variant] = entry
     base = out["compute"]["ms_per_layer"]
@@ -588,6 +604,12 @@ def main() -> None:
         default=None,
         help="CUDA priority of the prefetch side stream (default: the adapter's, the highest)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="replay each variant's last step under torch.profiler (untimed) and record where "
+        "its time goes per layer (kernel_timeline.py; CUDA)",
+    )
     p.add_argument("--compute-scale", type=float, default=1.0, help="scale the compute stand-in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -641,6 +663,9 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            for name, v in r.items():
+                if isinstance(v, dict) and "timeline" in v:
+                    print(f"  {name}: {json.dumps(v['timeline'])}", flush=True)
     print(f"wrote {a.out}")
     plot(rows, Path(a.out).with_suffix(".png"))
 
