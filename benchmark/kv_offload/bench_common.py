@@ -45,7 +45,8 @@ def prepare_environment(device: str) -> None:
 
 def publish_standalone_context(device: str) -> None:
     """Publish a one-rank configuration for this process: SGLang 0.5.23's pools and allocators
-    read it (parallel widths, memory and schedule bags), as a server's scheduler publishes its own."""
+    read it (parallel widths, memory and schedule bags), as a server's scheduler publishes its own.
+    """
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 

@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -145,6 +146,18 @@ class HiSparseLayers:
             num_real_reqs=self.num_real,
         )
         return self.out
+
+
+def launch_shape(text: str, sms: int):
+    """``programs per SM:rows per tile:warps`` on ``sms`` SMs as a copy launch config."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import CopyLaunchConfig
+
+    per_sm, rows, warps = text.split(":")
+    return CopyLaunchConfig(
+        num_programs=max(1, round(float(per_sm) * sms)),
+        rows_per_program=int(rows),
+        num_warps=int(warps),
+    )
 
 
 def load_hisparse(src: str):
@@ -370,8 +383,10 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
-        for serial in (False, True) if a.prefetch_serial else (False,):
-            name = variant + ("+serial" if serial else "")
+        forms = [(variant, False)] + [(f"{variant}@{shape}", False) for shape in a.prefetch_shapes]
+        if a.prefetch_serial:
+            forms.append((variant + "+serial", True))
+        for name, serial in forms:
             adapters[name] = DSAOffloadAdapter(
                 point.adapters[True].coordinator, prefetch_stream=part.stream
             )
@@ -388,7 +403,10 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             hisparse.reset()
         controller.prefetch_load_config = default_prefetch
         if "@green" in variant:
-            controller.prefetch_load_config = controller.load_config
+            sms, _, shape = variant.partition("@green")[2].partition("@")
+            controller.prefetch_load_config = (
+                launch_shape(shape, int(sms.partition("+")[0])) if shape else controller.load_config
+            )
         elif "@" in variant and device.type == "cuda":
             per_sm, _, rows = variant.split("@")[1].partition(":")
             sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -471,13 +489,22 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 loaded_mb_per_layer=loaded * FP8_ROW_BYTES / per / 1e6,
             )
         if variant in kernels:
-            computed = kernels["compute"]
+            computed, ks = kernels["compute"], kernels[variant]
             entry["timeline"] = layer_breakdown(
-                kernels[variant],
+                ks,
                 compute_names={k.name for k in computed},
                 read_name=computed[0].name,
                 copy_tag="copy_rows",
             )
+            entry["kernels"] = [
+                [
+                    k.name[:80],
+                    k.stream,
+                    round(k.start - ks[0].start, 2),
+                    round(k.end - ks[0].start, 2),
+                ]
+                for k in ks
+            ]
         out[variant] = entry
     base = out["compute"]["ms_per_layer"]
     for variant in ("offload", "offload+prefetch", *sweep, *theirs, *green):
@@ -511,7 +538,7 @@ def plot(rows: List[Dict], path: Path) -> None:
     ]
 
     def green_sms(key: str) -> int:
-        return int(key.rpartition("green")[2].partition("+")[0])
+        return int(re.match(r"\d+", key.rpartition("green")[2]).group())
 
     green = sorted(
         {k for r in rows for k, v in r.items() if "@green" in k and "exposed_ms_per_layer" in v},
@@ -528,6 +555,9 @@ def plot(rows: List[Dict], path: Path) -> None:
         )
         text = next((text for tag, text in forms if tag in key), None)
         where = f"prefetch load on {green_sms(key)} SMs"
+        shape = key.rpartition("green")[2].partition("@")[2]
+        if shape:
+            where += " ({} programs/SM x {} rows x {} warps)".format(*shape.split(":"))
         return f"{where}, {text}" if text else f"{where} (green context)"
 
     series += [(k, green_label(k)) for k in green]
@@ -584,6 +614,13 @@ def main() -> None:
         default=[],
         help="also time the prefetch with its load on a green context of this many SMs (CUDA; "
         "its plan on every SM, as prefetch_sms runs it), e.g. 8,16",
+    )
+    p.add_argument(
+        "--prefetch-shapes",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=[],
+        help="also time each --prefetch-green-sms variant with these load shapes instead of the "
+        "miss load's: programs per partition SM:rows per tile:warps, e.g. 2:16:4,8:4:4",
     )
     p.add_argument(
         "--prefetch-serial",

@@ -780,9 +780,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "transfer": f"{PKG}.transfer.copy_rows" if bench.transfer else "built-in fallback gather",
         "community": bool(bench.community),
-        "community_version": (
-            bench.community.version if bench.community else None
-        ),
+        "community_version": (bench.community.version if bench.community else None),
     }
     print(json.dumps(env))
 

@@ -4,9 +4,10 @@
 returns its kernels (name, stream, start and end in us). ``layer_breakdown`` splits a step of
 layers at the forward stream's attention reads and reports, as medians over the layer boundaries,
 what sits between one layer's compute and the next layer's attention read (the offload's part of
-the critical path): its length, the forward stream's own kernels in it and the time it idles
-(waiting on an event), the side streams' busy time in it, and how long a forward-stream copy ran
-beside a side-stream copy (two loads sharing the host link). ``bench_exposed.py --timeline``
+the critical path): its length, each offload kernel's busy time in it and the time no offload
+kernel runs (waits and launch gaps), how long two copies ran at once in it (two loads sharing the
+host link), the compute's length (against the compute alone: how much the offload work running
+beside it slows it) and each offload kernel's busy time under it. ``bench_exposed.py --timeline``
 records it for each variant.
 """
 
@@ -61,16 +62,31 @@ def _busy(intervals: Iterable[Tuple[float, float]], lo: float, hi: float) -> flo
     """Length of the union of ``intervals`` clipped to ``[lo, hi]``."""
     total, reach = 0.0, lo
     for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
-        if e <= reach:
+        if e <= max(s, reach):  # outside the window, or already counted
             continue
         total += e - max(s, reach)
         reach = e
     return total
 
 
-def _overlap(a: Sequence[Tuple[float, float]], b: Sequence[Tuple[float, float]]) -> float:
-    """Time during which some interval of ``a`` and some interval of ``b`` both run."""
-    return sum(_busy(b, s, e) for s, e in a)
+def _together(intervals: Sequence[Tuple[float, float]], lo: float, hi: float) -> float:
+    """Time within ``[lo, hi]`` during which at least two of ``intervals`` run."""
+    edges = sorted(
+        [(max(s, lo), 1) for s, e in intervals if e > lo and s < hi]
+        + [(min(e, hi), -1) for s, e in intervals if e > lo and s < hi]
+    )
+    total, running, last = 0.0, 0, lo
+    for t, step in edges:
+        if running >= 2:
+            total += t - last
+        running += step
+        last = t
+    return total
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its return type and arguments, at most 60 characters."""
+    return name.removeprefix("void ").split("(")[0][:60]
 
 
 def layer_breakdown(
@@ -80,40 +96,33 @@ def layer_breakdown(
 
     ``compute_names``: the kernels of the compute alone (everything else is the offload's);
     ``read_name``: the kernel that starts each layer's compute (the attention read);
-    ``copy_tag``: a substring of the host -> device copy kernels' names.
+    ``copy_tag``: a substring of the host -> device copy kernels' names. Kernels are told apart by
+    name and time, not by stream: a CUDA graph's replay runs its branches on streams of its own.
     """
     reads = [k for k in kernels if k.name == read_name]
     if len(reads) < 2:
         return dict(error=f"{len(reads)} '{read_name}' kernels: no layer boundary to split at")
-    fw = reads[0].stream
+    offload = [k for k in kernels if k.name not in compute_names]
+    copies = [(k.start, k.end) for k in offload if copy_tag in k.name]
     rows: List[Dict] = []
     for prev, read in zip(reads, reads[1:]):
-        layer = [k for k in kernels if k.stream == fw and prev.start <= k.start < read.start]
-        compute_end = max(k.end for k in layer if k.name in compute_names)
-        fw_offload = [k for k in layer if k.name not in compute_names]
-        side = [
-            k for k in kernels if k.stream != fw and k.start < read.start and k.end > prev.start
-        ]
-        fw_copies = [(k.start, k.end) for k in fw_offload if copy_tag in k.name]
-        side_copies = [(k.start, k.end) for k in side if copy_tag in k.name]
-        by_name: Dict[str, float] = {}
-        for k in fw_offload:
-            by_name[k.name] = by_name.get(k.name, 0.0) + k.end - k.start
-        side_by_name: Dict[str, float] = {}
-        for k in side:
-            if prev.start <= k.start < read.start:
-                side_by_name[k.name] = side_by_name.get(k.name, 0.0) + k.end - k.start
-        gap = read.start - compute_end
+        compute_end = max(
+            k.end for k in kernels if k.name in compute_names and prev.start <= k.start < read.start
+        )
+        names = sorted({short_name(k.name) for k in offload})
+
+        def busy(lo: float, hi: float, name: str = "") -> float:
+            spans = ((k.start, k.end) for k in offload if name in short_name(k.name))
+            return _busy(spans, lo, hi)
+
         rows.append(
             dict(
-                gap=gap,
+                gap=read.start - compute_end,
                 compute=compute_end - prev.start,
-                fw=by_name,
-                fw_idle=gap
-                - _busy(((k.start, k.end) for k in fw_offload), compute_end, read.start),
-                side=side_by_name,
-                side_in_gap=_busy(((k.start, k.end) for k in side), compute_end, read.start),
-                copies_together=_overlap(fw_copies, side_copies),
+                in_gap={n: busy(compute_end, read.start, n) for n in names},
+                idle=read.start - compute_end - busy(compute_end, read.start),
+                under_compute={n: busy(prev.start, compute_end, n) for n in names},
+                copies_together=_together(copies, compute_end, read.start),
             )
         )
 
@@ -128,9 +137,8 @@ def layer_breakdown(
         boundaries=len(rows),
         gap_ms=med([r["gap"] for r in rows]),
         compute_ms=med([r["compute"] for r in rows]),
-        forward_kernels_ms=med_by_name("fw"),
-        forward_idle_ms=med([r["fw_idle"] for r in rows]),
-        side_kernels_ms=med_by_name("side"),
-        side_busy_in_gap_ms=med([r["side_in_gap"] for r in rows]),
-        copies_together_ms=med([r["copies_together"] for r in rows]),
+        offload_in_gap_ms=med_by_name("in_gap"),
+        idle_in_gap_ms=med([r["idle"] for r in rows]),
+        offload_under_compute_ms=med_by_name("under_compute"),
+        copies_together_in_gap_ms=med([r["copies_together"] for r in rows]),
     )

@@ -7,7 +7,7 @@ import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH_DIR))
-from kernel_timeline import kernels_from_trace, layer_breakdown  # noqa: E402
+from kernel_timeline import kernels_from_trace, layer_breakdown, short_name  # noqa: E402
 
 FW, PLAN, LOAD = 7, 9, 11  # streams
 
@@ -44,21 +44,26 @@ def test_breakdown_of_a_synthetic_step():
     # Compute of a layer: read start -> gemm end = 105 us; then plan, copy and waits: 60 us.
     assert out["compute_ms"] == pytest.approx(0.105)
     assert out["gap_ms"] == pytest.approx(0.060)
-    assert out["forward_kernels_ms"] == {
-        "_copy_rows_kernel": pytest.approx(0.040),
-        "_plan_layer_kernel": pytest.approx(0.010),
+    # The second layer's gap is [165, 225): its plan (10 us) and the next prefetch's plan from 221
+    # (4 us); its copy (180-220) and the previous prefetch's copy until 64 + 130 = 194: 55 us of
+    # copying, 14 us of it two copies at once; nothing runs from 220 to 221.
+    assert out["offload_in_gap_ms"] == {
+        "_copy_rows_kernel": pytest.approx(0.055),
+        "_plan_layer_kernel": pytest.approx(0.014),
     }
-    assert out["forward_idle_ms"] == pytest.approx(0.010)
-    # Side kernels started in the layer: the prefetch's plan and copy.
-    assert out["side_kernels_ms"] == {
-        "_copy_rows_kernel": pytest.approx(0.130),
-        "_plan_layer_kernel": pytest.approx(0.008),
+    assert out["idle_in_gap_ms"] == pytest.approx(0.001)
+    assert out["copies_together_in_gap_ms"] == pytest.approx(0.014)
+    # Under the compute [60, 165): the prefetch's plan until 64 and its copy from 64.
+    assert out["offload_under_compute_ms"] == {
+        "_copy_rows_kernel": pytest.approx(0.101),
+        "_plan_layer_kernel": pytest.approx(0.004),
     }
-    # The gap of the second layer is [165, 225). The previous prefetch copy runs until
-    # 64 + 130 = 194 (29 us of it) and this layer's prefetch plan starts at 221 (4 us); the
-    # layer's own copy starts at 180, so the two copies share 14 us.
-    assert out["side_busy_in_gap_ms"] == pytest.approx(0.033)
-    assert out["copies_together_ms"] == pytest.approx(0.014)
+
+
+def test_kernel_names_lose_return_type_and_arguments():
+    assert short_name("void ns::k<4, F<int> >(int, F<int>)") == "ns::k<4, F<int> >"
+    assert short_name("nvjet_sm90_tst_512x32") == "nvjet_sm90_tst_512x32"
+    assert len(short_name("x" * 100)) == 60
 
 
 def test_breakdown_needs_two_layers():
