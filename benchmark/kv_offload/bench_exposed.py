@@ -35,6 +35,7 @@ no timing claims).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,7 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -158,6 +159,21 @@ def launch_shape(text: str, sms: int):
         rows_per_program=int(rows),
         num_warps=int(warps),
     )
+
+
+@contextlib.contextmanager
+def gemm_carveout(sms: Optional[int]):
+    """cuBLAS GEMMs issued inside (and so captured) target ``sms`` SMs fewer than the device has
+    (torch's SM carveout); ``None``: unchanged."""
+    if sms is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 def load_hisparse(src: str):
@@ -344,7 +360,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     def step(variant: str) -> None:
         for layer in range(a.layers):
             kv_rows = point.pool.device_row_view(layer)
-            if variant == "compute":
+            if variant.startswith("compute"):
                 compute(kv_rows, static_rows)
                 continue
             if variant == "hisparse-0.5.23":
@@ -372,6 +388,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     adapters = {"offload": point.adapters[False]}
     adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
     green: List[str] = []
+    carveouts: Dict[str, int] = {}  # variant -> SMs its GEMMs leave free (--gemm-carveout)
     for n in a.prefetch_green_sms:
         # The prefetch's load on a green context of n SMs (the miss load's grid), the rest on all.
         from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
@@ -386,6 +403,11 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         forms = [(variant, False)] + [(f"{variant}@{shape}", False) for shape in a.prefetch_shapes]
         if a.prefetch_serial:
             forms.append((variant + "+serial", True))
+        if a.gemm_carveout:
+            # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
+            # DeepGEMM's), and the compute alone so told, which is what that costs it.
+            forms.append((variant + "+carveout", False))
+            carveouts[variant + "+carveout"] = carveouts[f"compute+carveout{n}"] = part.sms
         for name, serial in forms:
             adapters[name] = DSAOffloadAdapter(
                 point.adapters[True].coordinator, prefetch_stream=part.stream
@@ -395,9 +417,10 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 adapters[name]._overlaps_prefetch_load = False
             green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
+    carved = [v for v in carveouts if v.startswith("compute")]
     kernels: Dict[str, List[Kernel]] = {}  # --timeline: the profiled step's kernels per variant
     # Green-context variants last: a capture that fails there leaves the others measured.
-    for variant in ("compute", "offload", "offload+prefetch", *sweep, *theirs, *green):
+    for variant in ("compute", *carved, "offload", "offload+prefetch", *sweep, *theirs, *green):
         point.reset()
         if hisparse is not None:
             hisparse.reset()
@@ -422,13 +445,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 topk.copy_(trace[0])
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+                carve = carveouts.get(variant)
+                with torch.cuda.stream(side), gemm_carveout(carve):
                     step(variant)  # compile and warm outside the capture
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 point.reset()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph), gemm_carveout(carve):
                     step(variant)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
@@ -489,11 +513,12 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 loaded_mb_per_layer=loaded * FP8_ROW_BYTES / per / 1e6,
             )
         if variant in kernels:
-            computed, ks = kernels["compute"], kernels[variant]
+            ks = kernels[variant]
             entry["timeline"] = layer_breakdown(
                 ks,
-                compute_names={k.name for k in computed},
-                read_name=computed[0].name,
+                # A carveout can pick other GEMM kernels.
+                compute_names={k.name for v in ("compute", *carved) for k in kernels.get(v, [])},
+                read_name=kernels["compute"][0].name,
                 copy_tag="copy_rows",
             )
             entry["kernels"] = [
@@ -621,6 +646,12 @@ def main() -> None:
         default=[],
         help="also time each --prefetch-green-sms variant with these load shapes instead of the "
         "miss load's: programs per partition SM:rows per tile:warps, e.g. 2:16:4,8:4:4",
+    )
+    p.add_argument(
+        "--gemm-carveout",
+        action="store_true",
+        help="also time each --prefetch-green-sms variant with the compute's GEMMs targeting the "
+        "SMs outside the partition, beside the compute alone so targeted (CUDA)",
     )
     p.add_argument(
         "--prefetch-serial",
