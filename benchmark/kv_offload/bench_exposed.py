@@ -163,17 +163,20 @@ def launch_shape(text: str, sms: int):
 
 @contextlib.contextmanager
 def gemm_carveout(sms: Optional[int]):
-    """cuBLAS GEMMs issued inside (and so captured) target ``sms`` SMs fewer than the device has
-    (torch's SM carveout); ``None``: unchanged."""
+    """GEMMs issued inside (and so captured) go through cuBLASLt targeting ``sms`` SMs fewer than
+    the device has (torch's SM carveout, which only its cuBLASLt path reads); ``None``: unchanged."""
     if sms is None:
         yield
         return
+    library = torch.backends.cuda.preferred_blas_library()
     before = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
     torch._C._set_sm_carveout_experimental(sms)
     try:
         yield
     finally:
         torch._C._set_sm_carveout_experimental(before)
+        torch.backends.cuda.preferred_blas_library(library)
 
 
 def load_hisparse(src: str):
@@ -408,6 +411,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
             forms.append((variant + "+carveout", False))
             carveouts[variant + "+carveout"] = carveouts[f"compute+carveout{n}"] = part.sms
+            carveouts["compute+cublaslt"] = 0  # the library change alone
         for name, serial in forms:
             adapters[name] = DSAOffloadAdapter(
                 point.adapters[True].coordinator, prefetch_stream=part.stream
