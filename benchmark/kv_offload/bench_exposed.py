@@ -82,12 +82,14 @@ class LayerCompute:
         self.y_attn = torch.empty((bs, self.w_attn.shape[1]), dtype=torch.bfloat16, device=device)
         self.y_moe = torch.empty((bs, self.w_moe.shape[1]), dtype=torch.bfloat16, device=device)
         self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
+        self.moe_carveout: Optional[int] = None  # --gemm-carveout moe
 
     def __call__(self, kv_rows: torch.Tensor, rows: torch.Tensor) -> None:
         # The attention read: every selected row of this layer (padding -1 clamps to row 0).
         torch.index_select(kv_rows, 0, rows.reshape(-1).clamp_min(0), out=self.read)
         torch.matmul(self.x, self.w_attn, out=self.y_attn)
-        torch.matmul(self.x, self.w_moe, out=self.y_moe)
+        with gemm_carveout(self.moe_carveout):
+            torch.matmul(self.x, self.w_moe, out=self.y_moe)
 
 
 class HiSparseLayers:
@@ -164,7 +166,8 @@ def launch_shape(text: str, sms: int):
 @contextlib.contextmanager
 def gemm_carveout(sms: Optional[int]):
     """GEMMs issued inside (and so captured) go through cuBLASLt targeting ``sms`` SMs fewer than
-    the device has (torch's SM carveout, which only its cuBLASLt path reads); ``None``: unchanged."""
+    the device has (torch's SM carveout, which only its cuBLASLt path reads); ``None``: unchanged.
+    """
     if sms is None:
         yield
         return
@@ -450,6 +453,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 carve = carveouts.get(variant)
+                if a.gemm_carveout == "moe":
+                    compute.moe_carveout, carve = carve, None
                 with torch.cuda.stream(side), gemm_carveout(carve):
                     step(variant)  # compile and warm outside the capture
                 torch.cuda.current_stream().wait_stream(side)
@@ -458,6 +463,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph), gemm_carveout(carve):
                     step(variant)
+                compute.moe_carveout = None
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 if variant not in green:
@@ -578,6 +584,7 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
+            ("+carveout", "GEMMs told to leave those SMs"),
             # Reverted guesses (14556ee, b3a8c0f); kept to redraw their results.
             ("+twolayers", "two-layer guess"),
             ("+union", "guess of two layers' top-k"),
@@ -653,9 +660,10 @@ def main() -> None:
     )
     p.add_argument(
         "--gemm-carveout",
-        action="store_true",
-        help="also time each --prefetch-green-sms variant with the compute's GEMMs targeting the "
-        "SMs outside the partition, beside the compute alone so targeted (CUDA)",
+        choices=("all", "moe"),
+        help="also time each --prefetch-green-sms variant with the compute's GEMMs (all, or the "
+        "MoE GEMM only) targeting the SMs outside the partition, beside the compute alone so "
+        "targeted (CUDA)",
     )
     p.add_argument(
         "--prefetch-serial",
