@@ -26,7 +26,9 @@ starts from the same cold sparse state and replays the same steps (warm-up steps
     source scripts/gpu_env.sh
     python3 benchmark/kv_offload/bench_exposed.py --out results/bench_exposed-h200.json
 
-writes the JSON and a plot next to it (``--plot-only JSON`` redraws it).
+writes the JSON and a plot next to it (``--plot-only JSON`` redraws it). ``--timeline`` adds, per
+variant, where each layer's time goes (``kernel_timeline.py``: the offload's kernels between two
+layers' compute, and how much longer the compute runs beside the prefetch).
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
