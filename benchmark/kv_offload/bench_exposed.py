@@ -539,6 +539,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                     k.stream,
                     round(k.start - ks[0].start, 2),
                     round(k.end - ks[0].start, 2),
+                    list(k.grid),
                 ]
                 for k in ks
             ]

@@ -27,6 +27,7 @@ class Kernel:
     stream: int
     start: float  # us
     end: float
+    grid: Tuple[int, ...] = ()  # blocks per dimension, where the trace records it
 
 
 def profile_kernels(fn: Callable[[], None]) -> List[Kernel]:
@@ -51,7 +52,13 @@ def profile_kernels(fn: Callable[[], None]) -> List[Kernel]:
 def kernels_from_trace(events: Iterable[Dict]) -> List[Kernel]:
     """The kernel events of a chrome trace (``cat == "kernel"``), in start order."""
     out = [
-        Kernel(e["name"], int(e["args"]["stream"]), float(e["ts"]), float(e["ts"]) + e["dur"])
+        Kernel(
+            e["name"],
+            int(e["args"]["stream"]),
+            float(e["ts"]),
+            float(e["ts"]) + e["dur"],
+            tuple(e["args"].get("grid", ())),
+        )
         for e in events
         if e.get("cat") == "kernel"
     ]

@@ -13,7 +13,9 @@ FW, PLAN, LOAD = 7, 9, 11  # streams
 
 
 def _event(name, stream, ts, dur, cat="kernel"):
-    return dict(cat=cat, name=name, ts=ts, dur=dur, args=dict(stream=stream))
+    return dict(
+        cat=cat, name=name, ts=ts, dur=dur, args=dict(stream=stream, grid=[len(name), 1, 1])
+    )
 
 
 def _step(layers=3):
@@ -37,6 +39,7 @@ def test_breakdown_of_a_synthetic_step():
     kernels = kernels_from_trace(_step())
     assert [k.start for k in kernels] == sorted(k.start for k in kernels)
     assert all(k.name != "cudaLaunchKernel" for k in kernels)
+    assert all(k.grid == (len(k.name), 1, 1) for k in kernels)
     out = layer_breakdown(
         kernels, compute_names={"indexSelect", "gemm"}, read_name="indexSelect", copy_tag="copy"
     )
