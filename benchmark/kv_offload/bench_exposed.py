@@ -627,6 +627,11 @@ def plot(rows: List[Dict], path: Path) -> None:
     print(f"[plot] {path}")
 
 
+def comma_list(text: str) -> List[str]:
+    """``a,b,c`` -> ``["a", "b", "c"]`` (empty items dropped)."""
+    return [x for x in text.split(",") if x]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -642,7 +647,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument(
         "--prefetch-programs-per-sm",
-        type=lambda text: [x for x in text.split(",") if x],
+        type=comma_list,
         default=[],
         help="also time the prefetch load with these grids: programs per SM[:rows per program], "
         "e.g. 0.25,1,1:8,128",
@@ -656,7 +661,7 @@ def main() -> None:
     )
     p.add_argument(
         "--prefetch-shapes",
-        type=lambda text: [x for x in text.split(",") if x],
+        type=comma_list,
         default=[],
         help="also time each --prefetch-green-sms variant with these load shapes instead of the "
         "miss load's: programs per partition SM:rows per tile:warps, e.g. 2:16:4,8:4:4",
