@@ -552,8 +552,6 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         ours, hs = out["offload"]["exposed_ms_per_layer"], out["hisparse-0.5.23"]
         hs["exposed_vs_ours"] = hs["exposed_ms_per_layer"] / max(ours, 1e-9)
     out["prefetch_programs"] = default_prefetch.num_programs
-    del point
-    torch.cuda.empty_cache() if device.type == "cuda" else None
     return out
 
 
@@ -729,6 +727,8 @@ def main() -> None:
                 print(f"[skip] bs {bs} x ctx {ctx} > --max-tokens {a.max_tokens}", flush=True)
                 continue
             r = run_point(a, bs, ctx, device, hisparse_fn)
+            if device.type == "cuda":  # the point's pools are gone with run_point's frame
+                torch.cuda.empty_cache()
             rows.append(r)
             Path(a.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))  # per point
             c, o, f = r["compute"], r["offload"], r["offload+prefetch"]
