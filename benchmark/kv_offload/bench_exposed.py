@@ -740,7 +740,7 @@ def main() -> None:
                 f"(+{f['prefetched_rows_per_layer']:.0f} prefetched); hit {o['hit_rate']:.3f}"
                 f" / {f['hit_rate']:.3f}"
                 + "".join(
-                    f"; {k.split('+')[1]} {v.get('exposed_ms_per_layer', v.get('error'))}"
+                    f"; {k.partition('+')[2]} {v.get('exposed_ms_per_layer', v.get('error'))}"
                     for k, v in r.items()
                     if k.startswith("offload+prefetch@")
                 )
