@@ -1,14 +1,17 @@
 """Shapes and helpers shared by the kv offload benchmarks that drive the pools directly.
 
 DeepSeek-V3.2's MLA latent row and index key sizes, the process set-up that must run before sglang
-is imported, the row decoding used to check loaded bytes, and one-request allocation helpers.
+is imported, the row decoding used to check loaded bytes, one-request allocation helpers, and the
+results writer.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,6 +25,13 @@ ROPE = 64
 LATENT = KV_LORA + ROPE  # 576
 INDEX_DIM = 128
 FP8_ROW_BYTES = KV_LORA + KV_LORA // 128 * 4 + ROPE * 2  # 656
+
+
+def write_results(path: str, doc: Any) -> None:
+    """Write a benchmark's results as indented JSON (creating the folder) and say where."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {path}")
 
 
 def prepare_environment(device: str) -> None:

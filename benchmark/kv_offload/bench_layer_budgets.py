@@ -26,7 +26,6 @@ CPU and makes no timing claims.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
+from bench_common import write_results  # noqa: E402
 
 NEVER = -1
 
@@ -223,9 +223,7 @@ def main() -> None:
             + ", ".join(f"{b}: {x:.3f}" for b, x in zip(r["budgets"], r["uniform_hit_curve"])),
             flush=True,
         )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(dict(rows=rows), indent=1))
-    print(f"wrote {a.out}")
+    write_results(a.out, dict(rows=rows))
 
 
 if __name__ == "__main__":

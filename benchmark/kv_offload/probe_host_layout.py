@@ -26,7 +26,6 @@ sequence (CUDA events), and memcpy of the same bytes from the same buffer is the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
+from bench_common import write_results  # noqa: E402
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (  # noqa: E402
     RowView,
     copy_rows,
@@ -163,9 +163,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         meta=dict(device=torch.cuda.get_device_name(dev), args=vars(a), torch=torch.__version__),
         rows=rows,
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out}")
+    write_results(a.out, out)
     return out
 
 

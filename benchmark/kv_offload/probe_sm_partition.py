@@ -33,7 +33,7 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import FP8_ROW_BYTES, prepare_environment  # noqa: E402
+from bench_common import FP8_ROW_BYTES, prepare_environment, write_results  # noqa: E402
 
 
 def timed(streams: List[torch.cuda.Stream], works: List[Callable[[], None]], iters: int) -> float:
@@ -161,9 +161,7 @@ def main() -> None:
         for m in res["modes"]:
             if "both_ms" in m:
                 m["exposed_ms"] = m["both_ms"] - full["compute_ms"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {a.out}")
+    write_results(a.out, res)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ bound's hit rate (``--budgets``). Counts start after ``--warm`` steps. CPU only;
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
+from bench_common import write_results  # noqa: E402
 from bench_layer_budgets import lru_hits  # noqa: E402
 
 
@@ -170,9 +170,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 flush=True,
             )
     out = dict(args=vars(a), rows=rows, seconds=round(time.time() - t0, 1))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out}")
+    write_results(a.out, out)
     return out
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Set
@@ -37,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
+from bench_common import write_results  # noqa: E402
 
 GUESSES = ("none", "previous_layer", "two_layers")
 
@@ -136,9 +136,7 @@ def main(argv=None) -> Dict:
                     flush=True,
                 )
     out = dict(args=vars(a), rows=rows)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {a.out}")
+    write_results(a.out, out)
     return out
 
 
