@@ -101,17 +101,7 @@ def score_aware_hits(
     return _replay(trace, capacity, relevance.shape[2], first, lambda t: -relevance[t])
 
 
-def run_config(a, share: float, churn: float) -> Dict:
-    cfg = realistic.TraceConfig.for_topk(
-        a.topk,
-        batch=a.batch,
-        context=a.ctx,
-        layers=a.layers,
-        steps=a.steps,
-        churn=churn,
-        share=share,
-        seed=a.seed,
-    )
+def run_config(a, share: float, churn: float, cfg: realistic.TraceConfig) -> Dict:
     trace, relevance = realistic.generate(cfg, scores=True)
     steps, layers, batch, topk = trace.shape
     flat = trace.reshape(steps, layers * batch, topk)
@@ -142,33 +132,25 @@ def run_config(a, share: float, churn: float) -> Dict:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=2, help="requests (rows per layer)")
-    p.add_argument("--ctx", type=int, default=32768)
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
+    realistic.add_sweep_arguments(p, steps=28, shares="0.9,0.97")
     p.add_argument("--slots", type=int, default=4096, help="sparse slots per request")
     p.add_argument("--budgets", default="4096,5120,6144,7168,8192", help="LRU slots to try")
-    p.add_argument("--steps", type=int, default=28)
     p.add_argument("--warm", type=int, default=4, help="steps not counted (cold caches)")
-    p.add_argument("--share", default="0.9,0.97", help="adjacent-layer relevance correlations")
-    p.add_argument("--churn", default="0.2,0.4,0.6", help="mean top-k churn per step")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim_hit_bound.json")
     a = p.parse_args(argv)
     a.budgets = [int(x) for x in a.budgets.split(",")]
     t0 = time.time()
     rows = []
-    for share in (float(x) for x in a.share.split(",")):
-        for churn in (float(x) for x in a.churn.split(",")):
-            row = run_config(a, share, churn)
-            rows.append(row)
-            print(
-                f"share {share} churn {churn}: LRU {100 * row['lru']:.1f} % score-aware "
-                f"{100 * row['score_aware']:.1f} % Belady "
-                f"{100 * row['belady']:.1f} % (+{row['headroom_points']:.1f} points); the LRU "
-                f"reaches it at {row['lru_slots_to_reach_belady']} slots",
-                flush=True,
-            )
+    for share, churn, cfg in realistic.sweep(a):
+        row = run_config(a, share, churn, cfg)
+        rows.append(row)
+        print(
+            f"share {share} churn {churn}: LRU {100 * row['lru']:.1f} % score-aware "
+            f"{100 * row['score_aware']:.1f} % Belady "
+            f"{100 * row['belady']:.1f} % (+{row['headroom_points']:.1f} points); the LRU "
+            f"reaches it at {row['lru_slots_to_reach_belady']} slots",
+            flush=True,
+        )
     out = dict(args=vars(a), rows=rows, seconds=round(time.time() - t0, 1))
     write_results(a.out, out)
     return out

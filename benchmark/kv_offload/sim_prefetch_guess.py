@@ -94,47 +94,29 @@ def simulate(trace: torch.Tensor, slots: int, guess: str, warm: int) -> Dict[str
 
 def main(argv=None) -> Dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--ctx", type=int, default=32768)
-    p.add_argument("--topk", type=int, default=2048)
+    realistic.add_sweep_arguments(p, steps=14, shares="0.9,0.97,0.99")
     p.add_argument("--slots", default="4096", help="slots per request; a comma list runs each")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm", type=int, default=4)
-    p.add_argument("--share", default="0.9,0.97,0.99", help="adjacent-layer relevance correlations")
-    p.add_argument("--churn", default="0.2,0.4,0.6", help="mean top-k churn per step")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim_prefetch_guess.json")
     a = p.parse_args(argv)
     rows = []
-    for share in (float(x) for x in a.share.split(",")):
-        for churn in (float(x) for x in a.churn.split(",")):
-            cfg = realistic.TraceConfig.for_topk(
-                a.topk,
-                batch=a.batch,
-                context=a.ctx,
-                layers=a.layers,
-                steps=a.steps,
-                churn=churn,
-                share=share,
-                seed=a.seed,
+    for share, churn, cfg in realistic.sweep(a):
+        trace = realistic.generate(cfg)
+        stats = realistic.measure(trace)
+        for slots in (int(x) for x in a.slots.split(",")):
+            row = dict(share=share, churn=churn, slots=slots, trace_stats=stats)
+            row.update({g: simulate(trace, slots, g, a.warm) for g in GUESSES})
+            rows.append(row)
+            print(
+                f"share {share} churn {churn} slots {slots}: "
+                + " | ".join(
+                    f"{g} critical {row[g]['critical_per_selected']:.3f} prefetched "
+                    f"{row[g]['prefetched_per_selected']:.3f} "
+                    f"used {row[g]['used_of_prefetched']:.2f}"
+                    for g in GUESSES
+                ),
+                flush=True,
             )
-            trace = realistic.generate(cfg)
-            stats = realistic.measure(trace)
-            for slots in (int(x) for x in a.slots.split(",")):
-                row = dict(share=share, churn=churn, slots=slots, trace_stats=stats)
-                row.update({g: simulate(trace, slots, g, a.warm) for g in GUESSES})
-                rows.append(row)
-                print(
-                    f"share {share} churn {churn} slots {slots}: "
-                    + " | ".join(
-                        f"{g} critical {row[g]['critical_per_selected']:.3f} prefetched "
-                        f"{row[g]['prefetched_per_selected']:.3f} "
-                        f"used {row[g]['used_of_prefetched']:.2f}"
-                        for g in GUESSES
-                    ),
-                    flush=True,
-                )
     out = dict(args=vars(a), rows=rows)
     write_results(a.out, out)
     return out
