@@ -18,7 +18,7 @@ import os
 import statistics
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 
 @dataclass(frozen=True)
@@ -109,19 +109,21 @@ def layer_breakdown(
     reads = [k for k in kernels if k.name == read_name]
     if len(reads) < 2:
         return dict(error=f"{len(reads)} '{read_name}' kernels: no layer boundary to split at")
-    offload = [k for k in kernels if k.name not in compute_names]
-    copies = [(k.start, k.end) for k in offload if copy_tag in k.name]
+    offload = [(short_name(k.name), k.start, k.end) for k in kernels if k.name not in compute_names]
+    names = sorted({n for n, _, _ in offload})
+    copies = [
+        (k.start, k.end) for k in kernels if k.name not in compute_names and copy_tag in k.name
+    ]
+
+    def busy(lo: float, hi: float, name: Optional[str] = None) -> float:
+        """Busy time in ``[lo, hi]`` of the offload's kernels (of one short name, or of all)."""
+        return _busy(((s, e) for n, s, e in offload if name in (None, n)), lo, hi)
+
     rows: List[Dict] = []
     for prev, read in zip(reads, reads[1:]):
         compute_end = max(
             k.end for k in kernels if k.name in compute_names and prev.start <= k.start < read.start
         )
-        names = sorted({short_name(k.name) for k in offload})
-
-        def busy(lo: float, hi: float, name: str = "") -> float:
-            spans = ((k.start, k.end) for k in offload if name in short_name(k.name))
-            return _busy(spans, lo, hi)
-
         rows.append(
             dict(
                 gap=read.start - compute_end,
