@@ -153,15 +153,15 @@ class HiSparseLayers:
         return self.out
 
 
-def launch_shape(text: str, sms: int):
-    """``programs per SM:rows per tile:warps`` on ``sms`` SMs as a copy launch config."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import CopyLaunchConfig
-
-    per_sm, rows, warps = text.split(":")
-    return CopyLaunchConfig(
+def launch_shape(text: str, sms: int, base):
+    """``programs per SM[:rows per tile[:warps]]`` on ``sms`` SMs as a copy launch config; the
+    fields left out keep ``base``'s."""
+    per_sm, rows, warps = (text.split(":") + ["", ""])[:3]
+    return dataclasses.replace(
+        base,
         num_programs=max(1, round(float(per_sm) * sms)),
-        rows_per_program=int(rows),
-        num_warps=int(warps),
+        rows_per_program=int(rows or base.rows_per_program),
+        num_warps=int(warps or base.num_warps),
     )
 
 
@@ -436,16 +436,15 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         controller.prefetch_load_config = default_prefetch
         if "@green" in variant:
             sms, _, shape = variant.partition("@green")[2].partition("@")
+            load = controller.load_config
+            partition_sms = int(sms.partition("+")[0])
             controller.prefetch_load_config = (
-                launch_shape(shape, int(sms.partition("+")[0])) if shape else controller.load_config
+                launch_shape(shape, partition_sms, load) if shape else load
             )
         elif "@" in variant and device.type == "cuda":
-            per_sm, _, rows = variant.split("@")[1].partition(":")
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            controller.prefetch_load_config = dataclasses.replace(
-                default_prefetch,
-                num_programs=max(1, round(float(per_sm) * sms)),
-                rows_per_program=int(rows or default_prefetch.rows_per_program),
+            controller.prefetch_load_config = launch_shape(
+                variant.split("@")[1], sms, default_prefetch
             )
         times, graph = [], None
         cuda = device.type == "cuda"
