@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
-from bench_common import write_results  # noqa: E402
+from bench_common import FP8_ROW_BYTES, write_results  # noqa: E402
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (  # noqa: E402
     RowView,
     copy_rows,
@@ -145,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--row-bytes", type=int, default=656)
+    p.add_argument("--row-bytes", type=int, default=FP8_ROW_BYTES)
     p.add_argument("--churn", type=float, default=0.4)
     p.add_argument("--share", type=float, default=0.97)
     p.add_argument("--warm", type=int, default=2)
