@@ -154,14 +154,15 @@ class HiSparseLayers:
 
 
 def launch_shape(text: str, sms: int, base):
-    """``programs per SM[:rows per tile[:warps]]`` on ``sms`` SMs as a copy launch config; the
-    fields left out keep ``base``'s."""
-    per_sm, rows, warps = (text.split(":") + ["", ""])[:3]
+    """``programs per SM[:rows per tile[:warps[:shared carveout %]]]`` on ``sms`` SMs as a copy
+    launch config; the fields left out keep ``base``'s."""
+    per_sm, rows, warps, carveout = (text.split(":") + ["", "", ""])[:4]
     return dataclasses.replace(
         base,
         num_programs=max(1, round(float(per_sm) * sms)),
         rows_per_program=int(rows or base.rows_per_program),
         num_warps=int(warps or base.num_warps),
+        shared_carveout=int(carveout) if carveout else base.shared_carveout,
     )
 
 
@@ -539,6 +540,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                     round(k.start - ks[0].start, 2),
                     round(k.end - ks[0].start, 2),
                     list(k.grid),
+                    list(k.block),
+                    k.registers,
+                    k.shared_memory,
                 ]
                 for k in ks
             ]
@@ -646,8 +650,8 @@ def main() -> None:
         "--prefetch-programs-per-sm",
         type=comma_list,
         default=[],
-        help="also time the prefetch load with these grids: programs per SM[:rows per program], "
-        "e.g. 0.25,1,1:8,128",
+        help="also time the prefetch load on its ordinary stream with these grids: programs per "
+        "SM[:rows per tile[:warps[:shared carveout %]]], e.g. 0.25,1,1:8,1:4:1,1:4:1:100",
     )
     p.add_argument(
         "--prefetch-green-sms",

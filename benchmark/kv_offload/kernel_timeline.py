@@ -28,6 +28,9 @@ class Kernel:
     start: float  # us
     end: float
     grid: Tuple[int, ...] = ()  # blocks per dimension, where the trace records it
+    block: Tuple[int, ...] = ()  # threads per block per dimension
+    registers: int = 0  # per thread
+    shared_memory: int = 0  # bytes per block
 
 
 def profile_kernels(fn: Callable[[], None]) -> List[Kernel]:
@@ -58,6 +61,9 @@ def kernels_from_trace(events: Iterable[Dict]) -> List[Kernel]:
             float(e["ts"]),
             float(e["ts"]) + e["dur"],
             tuple(e["args"].get("grid", ())),
+            tuple(e["args"].get("block", ())),
+            int(e["args"].get("registers per thread", 0)),
+            int(e["args"].get("shared memory", 0)),
         )
         for e in events
         if e.get("cat") == "kernel"

@@ -14,7 +14,17 @@ FW, PLAN, LOAD = 7, 9, 11  # streams
 
 def _event(name, stream, ts, dur, cat="kernel"):
     return dict(
-        cat=cat, name=name, ts=ts, dur=dur, args=dict(stream=stream, grid=[len(name), 1, 1])
+        cat=cat,
+        name=name,
+        ts=ts,
+        dur=dur,
+        args={
+            "stream": stream,
+            "grid": [len(name), 1, 1],
+            "block": [128, 1, 1],
+            "registers per thread": len(name) + 1,
+            "shared memory": 2 * len(name),
+        },
     )
 
 
@@ -40,6 +50,10 @@ def test_breakdown_of_a_synthetic_step():
     assert [k.start for k in kernels] == sorted(k.start for k in kernels)
     assert all(k.name != "cudaLaunchKernel" for k in kernels)
     assert all(k.grid == (len(k.name), 1, 1) for k in kernels)
+    assert all(k.block == (128, 1, 1) for k in kernels)
+    assert all(
+        (k.registers, k.shared_memory) == (len(k.name) + 1, 2 * len(k.name)) for k in kernels
+    )
     out = layer_breakdown(
         kernels, compute_names={"indexSelect", "gemm"}, read_name="indexSelect", copy_tag="copy"
     )
