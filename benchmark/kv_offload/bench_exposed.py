@@ -154,15 +154,14 @@ class HiSparseLayers:
 
 
 def launch_shape(text: str, sms: int, base):
-    """``programs per SM[:rows per tile[:warps[:shared carveout %]]]`` on ``sms`` SMs as a copy
-    launch config; the fields left out keep ``base``'s."""
-    per_sm, rows, warps, carveout = (text.split(":") + ["", "", ""])[:4]
+    """``programs per SM[:rows per tile[:warps]]`` on ``sms`` SMs as a copy launch config; the
+    fields left out keep ``base``'s."""
+    per_sm, rows, warps = (text.split(":") + ["", ""])[:3]
     return dataclasses.replace(
         base,
         num_programs=max(1, round(float(per_sm) * sms)),
         rows_per_program=int(rows or base.rows_per_program),
         num_warps=int(warps or base.num_warps),
-        shared_carveout=int(carveout) if carveout else base.shared_carveout,
     )
 
 
@@ -651,7 +650,7 @@ def main() -> None:
         type=comma_list,
         default=[],
         help="also time the prefetch load on its ordinary stream with these grids: programs per "
-        "SM[:rows per tile[:warps[:shared carveout %]]], e.g. 0.25,1,1:8,1:4:1,1:4:1:100",
+        "SM[:rows per tile[:warps]], e.g. 0.25,1,1:8,1:4:1",
     )
     p.add_argument(
         "--prefetch-green-sms",

@@ -15,7 +15,6 @@ No upstream sglang imports: this module is shared by the runtime, the tests and 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -126,22 +125,13 @@ class CopyLaunchConfig:
     num_warps: warps per program.
     word_bytes: element type of the load (8: int64, 4: int32); both vectorise to 16 B accesses when
         the row size is a multiple of 16 B.
-    shared_carveout: preferred shared-memory carveout (percent of the SM's L1/shared storage) of
-        the compiled kernel, or None for the driver's default. The kernel uses no shared memory,
-        so by default the driver may put an SM that a program lands on in its smallest shared
-        configuration, and a GEMM block that needs a larger one cannot be placed on that SM until
-        the program ends; 100 keeps the largest, so long-running copy programs can sit beside
-        the layer's GEMMs.
     """
 
     num_programs: int
     rows_per_program: int = 4
     num_warps: int = 4
     word_bytes: Optional[int] = None
-    shared_carveout: Optional[int] = None
 
-
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 PREFETCH_SMS_PER_PROGRAM = 2
 """One cross-layer prefetch program per this many SMs (``default_prefetch_launch_config``)."""
@@ -321,7 +311,7 @@ def copy_rows(
     # More programs than tiles only adds empty programs; still data independent, since ``n`` is
     # the static length of the index buffers and not the (device-side) valid count.
     grid = (max(1, min(cfg.num_programs, triton.cdiv(n, rows))),)
-    compiled = _copy_rows_kernel[grid](
+    _copy_rows_kernel[grid](
         src_v.kernel_arg(on_cuda),
         dst_v.kernel_arg(on_cuda),
         src_idx,
@@ -334,21 +324,6 @@ def copy_rows(
         ROWS=rows,
         num_warps=cfg.num_warps,
     )
-    if on_cuda and cfg.shared_carveout is not None:
-        _prefer_shared_carveout(compiled.function, cfg.shared_carveout)
-
-
-@functools.lru_cache(maxsize=None)
-def _prefer_shared_carveout(function: int, percent: int) -> None:
-    """Set a compiled kernel's preferred shared-memory carveout (once per kernel and value)."""
-    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
-        ctypes.c_void_p(function), CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent
-    )
-    if rc != 0:
-        raise RuntimeError(
-            f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) returned CUresult "
-            f"{rc}: give shared_carveout as a percent from 0 to 100, or None"
-        )
 
 
 @triton.jit
