@@ -55,6 +55,7 @@ import traces as realistic  # noqa: E402
 from bench_common import prepare_environment  # noqa: E402
 from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
 from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
+from persistent_gemm import persistent_matmul  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 7168
@@ -74,7 +75,9 @@ def moe_bytes(bs: int) -> int:
 class LayerCompute:
     """The per-layer compute stand-in (see module docstring); fixed buffers, graph-capturable."""
 
-    def __init__(self, bs: int, topk: int, device: torch.device, scale: float = 1.0):
+    def __init__(
+        self, bs: int, topk: int, device: torch.device, scale: float = 1.0, gemm: str = "cublas"
+    ):
         cols = lambda nbytes: max(1, int(nbytes * scale) // (HIDDEN * 2))  # noqa: E731 (bf16)
         self.x = torch.randn((bs, HIDDEN), dtype=torch.bfloat16, device=device)
         self.w_attn = torch.randn(
@@ -84,14 +87,24 @@ class LayerCompute:
         self.y_attn = torch.empty((bs, self.w_attn.shape[1]), dtype=torch.bfloat16, device=device)
         self.y_moe = torch.empty((bs, self.w_moe.shape[1]), dtype=torch.bfloat16, device=device)
         self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
-        self.moe_carveout: Optional[int] = None  # --gemm-carveout moe
+        self.persistent = gemm == "persistent"  # --gemm
+        if self.persistent:
+            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # SMs each GEMM leaves free (--gemm-carveout), set around a variant's capture.
+        self.carveout: Dict[str, Optional[int]] = dict(attn=None, moe=None)
+
+    def _matmul(self, w: torch.Tensor, out: torch.Tensor, carve: Optional[int]) -> None:
+        if self.persistent:
+            persistent_matmul(self.x, w, out, programs=self.sms - (carve or 0))
+            return
+        with gemm_carveout(carve):
+            torch.matmul(self.x, w, out=out)
 
     def __call__(self, kv_rows: torch.Tensor, rows: torch.Tensor) -> None:
         # The attention read: every selected row of this layer (padding -1 clamps to row 0).
         torch.index_select(kv_rows, 0, rows.reshape(-1).clamp_min(0), out=self.read)
-        torch.matmul(self.x, self.w_attn, out=self.y_attn)
-        with gemm_carveout(self.moe_carveout):
-            torch.matmul(self.x, self.w_moe, out=self.y_moe)
+        self._matmul(self.w_attn, self.y_attn, self.carveout["attn"])
+        self._matmul(self.w_moe, self.y_moe, self.carveout["moe"])
 
 
 class HiSparseLayers:
@@ -354,7 +367,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     )
     trace = realistic.generate(cfg, device=device)  # (steps, layers, bs, topk) positions
     trace_stats = realistic.measure(trace[:, :, :1])
-    compute = LayerCompute(bs, a.topk, device, a.compute_scale)
+    compute = LayerCompute(bs, a.topk, device, a.compute_scale, a.gemm)
     topk = torch.full((a.layers, bs, a.topk), -1, dtype=torch.int32, device=device)
     rpi = torch.arange(bs, dtype=torch.int64, device=device)
     seq = torch.full((bs,), ctx, dtype=torch.int64, device=device)
@@ -416,7 +429,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
             forms.append((variant + "+carveout", False))
             carveouts[variant + "+carveout"] = carveouts[f"compute+carveout{n}"] = part.sms
-            carveouts["compute+cublaslt"] = 0  # the library change alone
+            if a.gemm == "cublas":
+                carveouts["compute+cublaslt"] = 0  # the library change alone
         for name, serial in forms:
             adapters[name] = DSAOffloadAdapter(
                 point.adapters[True].coordinator, prefetch_stream=part.stream
@@ -454,17 +468,16 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 carve = carveouts.get(variant)
-                if a.gemm_carveout == "moe":
-                    compute.moe_carveout, carve = carve, None
-                with torch.cuda.stream(side), gemm_carveout(carve):
+                compute.carveout = dict(attn=carve if a.gemm_carveout == "all" else None, moe=carve)
+                with torch.cuda.stream(side):
                     step(variant)  # compile and warm outside the capture
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 point.reset()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph), gemm_carveout(carve):
+                with torch.cuda.graph(graph):
                     step(variant)
-                compute.moe_carveout = None
+                compute.carveout = dict(attn=None, moe=None)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 if variant not in green:
@@ -671,7 +684,15 @@ def main() -> None:
         choices=("all", "moe"),
         help="also time each --prefetch-green-sms variant with the compute's GEMMs (all, or the "
         "MoE GEMM only) targeting the SMs outside the partition, beside the compute alone so "
-        "targeted (CUDA)",
+        "targeted (CUDA): cuBLAS through torch's SM carveout, --gemm persistent by its grid",
+    )
+    p.add_argument(
+        "--gemm",
+        choices=("cublas", "persistent"),
+        default="cublas",
+        help="the compute stand-in's GEMMs: torch's (cuBLAS: one block per output tile, in "
+        "waves) or persistent_gemm.py's (a grid of one program per SM looping over the tiles, "
+        "as DeepGEMM's; CUDA)",
     )
     p.add_argument(
         "--prefetch-serial",
@@ -708,6 +729,8 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_exposed.json"))
     p.add_argument("--plot-only", metavar="JSON", help="only draw the plot of a results file")
     a = p.parse_args()
+    if a.gemm == "persistent" and a.device != "cuda":
+        p.error("--gemm persistent needs --device cuda (its kernel is timed, not interpreted)")
     if a.plot_only:
         plot(
             json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png")
