@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -176,6 +177,25 @@ def launch_shape(text: str, sms: int, base):
         rows_per_program=int(rows or base.rows_per_program),
         num_warps=int(warps or base.num_warps),
     )
+
+
+@contextlib.contextmanager
+def plan_launch(shape: str):
+    """The adapter's plan kernels launched with ``warps[:max registers per thread]`` inside."""
+    from sglang.srt.layers.attention.dsa_offload import adapter
+    from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer
+
+    if not shape:
+        yield
+        return
+    warps, _, regs = shape.partition(":")
+    adapter.plan_layer = functools.partial(
+        plan_layer, num_warps=int(warps), maxnreg=int(regs) if regs else None
+    )
+    try:
+        yield
+    finally:
+        adapter.plan_layer = plan_layer
 
 
 @contextlib.contextmanager
@@ -424,6 +444,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         forms = [(variant, False)] + [(f"{variant}@{shape}", False) for shape in a.prefetch_shapes]
         if a.prefetch_serial:
             forms.append((variant + "+serial", True))
+        forms += [(f"{variant}+plan{shape}", False) for shape in a.plan_shapes]
         if a.gemm_carveout:
             # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
@@ -469,13 +490,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 side.wait_stream(torch.cuda.current_stream())
                 carve = carveouts.get(variant)
                 compute.carveout = dict(attn=carve if a.gemm_carveout == "all" else None, moe=carve)
-                with torch.cuda.stream(side):
+                plan_shape = variant.partition("+plan")[2]
+                with torch.cuda.stream(side), plan_launch(plan_shape):
                     step(variant)  # compile and warm outside the capture
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 point.reset()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph), plan_launch(plan_shape):
                     step(variant)
                 compute.carveout = dict(attn=None, moe=None)
                 torch.cuda.synchronize()
@@ -693,6 +715,13 @@ def main() -> None:
         help="the compute stand-in's GEMMs: torch's (cuBLAS: one block per output tile, in "
         "waves) or persistent_gemm.py's (a grid of one program per SM looping over the tiles, "
         "as DeepGEMM's; CUDA)",
+    )
+    p.add_argument(
+        "--plan-shapes",
+        type=comma_list,
+        default=[],
+        help="also time each --prefetch-green-sms variant with its plan kernels (the next layer's "
+        "and the prefetch's) launched with these warps[:max registers per thread], e.g. 4,16:64",
     )
     p.add_argument(
         "--prefetch-serial",
