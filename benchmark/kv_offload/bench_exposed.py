@@ -181,17 +181,14 @@ def launch_shape(text: str, sms: int, base):
 
 @contextlib.contextmanager
 def plan_launch(shape: str):
-    """The adapter's plan kernels launched with ``warps[:max registers per thread]`` inside."""
+    """The adapter's plan kernels launched with ``warps`` warps inside ('': unchanged)."""
     from sglang.srt.layers.attention.dsa_offload import adapter
     from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import plan_layer
 
     if not shape:
         yield
         return
-    warps, _, regs = shape.partition(":")
-    adapter.plan_layer = functools.partial(
-        plan_layer, num_warps=int(warps), maxnreg=int(regs) if regs else None
-    )
+    adapter.plan_layer = functools.partial(plan_layer, num_warps=int(shape))
     try:
         yield
     finally:
@@ -721,7 +718,7 @@ def main() -> None:
         type=comma_list,
         default=[],
         help="also time each --prefetch-green-sms variant with its plan kernels (the next layer's "
-        "and the prefetch's) launched with these warps[:max registers per thread], e.g. 4,16:64",
+        "and the prefetch's) launched with these warps, e.g. 4,16",
     )
     p.add_argument(
         "--prefetch-serial",

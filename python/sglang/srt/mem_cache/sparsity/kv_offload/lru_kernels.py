@@ -247,7 +247,6 @@ def plan_layer(
     state: LayerState,
     ws: PlanWorkspace,
     num_warps: int = 8,
-    maxnreg: Optional[int] = None,
     compact: bool = True,
     out_indices: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
@@ -267,7 +266,6 @@ def plan_layer(
         state: ``SparseCacheState.layer(layer_id)``; updated in place.
         ws: preallocated workspace (``max_bs >= bs``, same K, ``block_s`` covering the slots).
         num_warps: Triton warps per program (tuning knob).
-        maxnreg: registers per thread the compiler may use (tuning knob; None: its choice).
         compact: True: the miss list is one dense prefix of ``miss_count[0]`` entries (rows in a
             nondeterministic order, each row's misses in rank order; entries past the count are
             stale), for ``transfer.copy_rows(..., num_valid=miss_count)``. False: row ``b``'s
@@ -336,7 +334,6 @@ def plan_layer(
         POSITIONS=positions,
         GUESS=guess_out is not None,
         num_warps=num_warps,
-        **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return PlanResult(
         out,
