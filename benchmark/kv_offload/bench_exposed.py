@@ -28,7 +28,8 @@ starts from the same cold sparse state and replays the same steps (warm-up steps
 
 writes the JSON and a plot next to it (``--plot-only JSON`` redraws it). ``--timeline`` adds, per
 variant, where each layer's time goes (``kernel_timeline.py``: the offload's kernels between two
-layers' compute, and how much longer the compute runs beside the prefetch).
+layers' compute, and how much longer the compute runs beside the prefetch). ``--gemm persistent``
+runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel instead of cuBLAS's.
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).

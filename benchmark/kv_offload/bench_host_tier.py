@@ -152,7 +152,6 @@ def bench_loads(row, sizes, grid, iters, budget_s, t0):
         d = torch.empty(n * row, dtype=torch.uint8, device=DEV)
         ms = time_ms(lambda: d.copy_(h, non_blocking=True), iters)
         memcpy[n] = n * row / ms / 1e6
-        del h, d
 
     # phase 1: coarse sweep at the middle size
     n_sweep = sizes[len(sizes) // 2]
@@ -254,7 +253,7 @@ def bench_backup(row, tokens, layers, iters, configs):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         w0 = time.perf_counter()
         s.record()
-        h = cc.backup_request_pages(r2t.req_to_token, 0, 0, tokens, tag="bench")
+        cc.backup_request_pages(r2t.req_to_token, 0, 0, tokens, tag="bench")
         e.record(cc.write_stream)
         submit_ms = (time.perf_counter() - w0) * 1e3
         done = []
