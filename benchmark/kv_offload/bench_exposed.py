@@ -51,13 +51,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
 from bench_common import prepare_environment  # noqa: E402
 from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
 from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
-from persistent_gemm import persistent_matmul  # noqa: E402
+from persistent_gemm import fastest, padded, persistent_matmul, tune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 7168
@@ -81,23 +82,36 @@ class LayerCompute:
         self, bs: int, topk: int, device: torch.device, scale: float = 1.0, gemm: str = "cublas"
     ):
         cols = lambda nbytes: max(1, int(nbytes * scale) // (HIDDEN * 2))  # noqa: E731 (bf16)
-        self.x = torch.randn((bs, HIDDEN), dtype=torch.bfloat16, device=device)
-        self.w_attn = torch.randn(
-            (HIDDEN, cols(ATTN_PROJ_BYTES)), dtype=torch.bfloat16, device=device
-        )
-        self.w_moe = torch.randn((HIDDEN, cols(moe_bytes(bs))), dtype=torch.bfloat16, device=device)
-        self.y_attn = torch.empty((bs, self.w_attn.shape[1]), dtype=torch.bfloat16, device=device)
-        self.y_moe = torch.empty((bs, self.w_moe.shape[1]), dtype=torch.bfloat16, device=device)
-        self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
         self.persistent = gemm == "persistent"  # --gemm
+        # The persistent kernel's TMA descriptors need 16-byte aligned rows.
+        matrix = functools.partial(
+            padded if self.persistent else lambda r, c, **kw: torch.empty((r, c), **kw),
+            dtype=torch.bfloat16,
+            device=device,
+        )
+        self.x = torch.randn((bs, HIDDEN), dtype=torch.bfloat16, device=device)
+        self.w_attn = matrix(HIDDEN, cols(ATTN_PROJ_BYTES)).normal_()
+        self.w_moe = matrix(HIDDEN, cols(moe_bytes(bs))).normal_()
+        self.y_attn = matrix(bs, self.w_attn.shape[1])
+        self.y_moe = matrix(bs, self.w_moe.shape[1])
+        self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
+        # --gemm persistent: each GEMM's fastest launch shape on every SM, timed alone (and
+        # cuBLAS's time on the same operands, for the record).
+        self.shapes: Dict[str, Dict] = {}
         if self.persistent:
             self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+            for name, w, y in (("attn", self.w_attn, self.y_attn), ("moe", self.w_moe, self.y_moe)):
+                cfg, ms = min(tune(self.x, w, y, self.sms), key=fastest)
+                dense = torch.empty(y.shape, dtype=y.dtype, device=device)
+                cublas_ms = triton.testing.do_bench(lambda: torch.matmul(self.x, w, out=dense))
+                self.shapes[name] = dict(cfg, ms=ms, cublas_ms=cublas_ms)
         # SMs each GEMM leaves free (--gemm-carveout), set around a variant's capture.
         self.carveout: Dict[str, Optional[int]] = dict(attn=None, moe=None)
 
-    def _matmul(self, w: torch.Tensor, out: torch.Tensor, carve: Optional[int]) -> None:
+    def _matmul(self, name: str, w: torch.Tensor, out: torch.Tensor, carve: Optional[int]) -> None:
         if self.persistent:
-            persistent_matmul(self.x, w, out, programs=self.sms - (carve or 0))
+            shape = {k: v for k, v in self.shapes[name].items() if not k.endswith("ms")}
+            persistent_matmul(self.x, w, out, self.sms - (carve or 0), **shape)
             return
         with gemm_carveout(carve):
             torch.matmul(self.x, w, out=out)
@@ -105,8 +119,8 @@ class LayerCompute:
     def __call__(self, kv_rows: torch.Tensor, rows: torch.Tensor) -> None:
         # The attention read: every selected row of this layer (padding -1 clamps to row 0).
         torch.index_select(kv_rows, 0, rows.reshape(-1).clamp_min(0), out=self.read)
-        self._matmul(self.w_attn, self.y_attn, self.carveout["attn"])
-        self._matmul(self.w_moe, self.y_moe, self.carveout["moe"])
+        self._matmul("attn", self.w_attn, self.y_attn, self.carveout["attn"])
+        self._matmul("moe", self.w_moe, self.y_moe, self.carveout["moe"])
 
 
 class HiSparseLayers:
@@ -421,6 +435,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         compute_gb_per_layer=(ATTN_PROJ_BYTES + moe_bytes(bs)) * a.compute_scale / 1e9,
         trace_stats=trace_stats,
     )
+    if compute.shapes:
+        out["gemm_shapes"] = compute.shapes
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]

@@ -8,7 +8,7 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH_DIR))
-from persistent_gemm import persistent_matmul  # noqa: E402
+from persistent_gemm import padded, persistent_matmul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The bench runs it in bf16; the Triton interpreter's bf16 dot returns garbage, so on CPU the same
@@ -27,21 +27,30 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 def test_persistent_matmul_matches_torch(m, k, n, programs):
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn((m, k), generator=g).to(DTYPE).to(DEVICE)
-    w = torch.randn((k, n), generator=g).to(DTYPE).to(DEVICE)
-    out = torch.full((m, n), float("nan"), dtype=DTYPE, device=DEVICE)
+    w = padded(k, n, DTYPE, DEVICE)
+    w.copy_(torch.randn((k, n), generator=g))
+    out = padded(m, n, DTYPE, DEVICE).fill_(float("nan"))
     persistent_matmul(x, w, out, programs=programs)
     ref = x.float() @ w.float()
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=0.25)
 
 
+def test_padded_rows_are_16_byte_aligned():
+    for dtype in (torch.bfloat16, torch.float32):
+        t = padded(3, 130, dtype, DEVICE)
+        assert t.shape == (3, 130) and t.stride(1) == 1
+        assert t.stride(0) * t.element_size() % 16 == 0 and t.stride(0) - 130 < 16
+
+
 def test_persistent_matmul_rejects_bad_arguments():
-    x = torch.zeros((4, 128), dtype=torch.bfloat16, device=DEVICE)
-    w = torch.zeros((128, 64), dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros((4, 128), dtype=DTYPE, device=DEVICE)
+    w = torch.zeros((128, 64), dtype=DTYPE, device=DEVICE)
+    out = torch.empty((4, 64), dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match="do not chain"):
-        persistent_matmul(x, w, torch.empty((4, 65), dtype=torch.bfloat16, device=DEVICE), 1)
+        persistent_matmul(x, w, torch.empty((4, 65), dtype=DTYPE, device=DEVICE), 1)
     with pytest.raises(ValueError, match="programs=0"):
-        persistent_matmul(x, w, torch.empty((4, 64), dtype=torch.bfloat16, device=DEVICE), 0)
-    with pytest.raises(ValueError, match="contiguous"):
-        persistent_matmul(
-            x, w.t().contiguous().t(), torch.empty((4, 64), dtype=torch.bfloat16, device=DEVICE), 1
-        )
+        persistent_matmul(x, w, out, 0)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        persistent_matmul(x, w.t().contiguous().t(), out, 1)
+    with pytest.raises(ValueError, match="persistent_gemm.padded"):
+        persistent_matmul(x, torch.zeros((128, 65), dtype=DTYPE, device=DEVICE)[:, :64], out, 1)
