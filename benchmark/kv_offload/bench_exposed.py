@@ -95,23 +95,23 @@ class LayerCompute:
         self.y_attn = matrix(bs, self.w_attn.shape[1])
         self.y_moe = matrix(bs, self.w_moe.shape[1])
         self.read = torch.empty((bs * topk, FP8_ROW_BYTES), dtype=torch.uint8, device=device)
-        # --gemm persistent: each GEMM's fastest launch shape on every SM, timed alone (and
-        # cuBLAS's time on the same operands, for the record).
+        # --gemm persistent: each GEMM's fastest launch shape on every SM, timed alone; ``shapes``
+        # records it with its time and cuBLAS's on the same operands.
+        self.launch: Dict[str, Dict[str, int]] = {}
         self.shapes: Dict[str, Dict] = {}
         if self.persistent:
             self.sms = torch.cuda.get_device_properties(device).multi_processor_count
             for name, w, y in (("attn", self.w_attn, self.y_attn), ("moe", self.w_moe, self.y_moe)):
-                cfg, ms = min(tune(self.x, w, y, self.sms), key=fastest)
+                self.launch[name], ms = min(tune(self.x, w, y, self.sms), key=fastest)
                 dense = torch.empty(y.shape, dtype=y.dtype, device=device)
                 cublas_ms = triton.testing.do_bench(lambda: torch.matmul(self.x, w, out=dense))
-                self.shapes[name] = dict(cfg, ms=ms, cublas_ms=cublas_ms)
+                self.shapes[name] = dict(self.launch[name], ms=ms, cublas_ms=cublas_ms)
         # SMs each GEMM leaves free (--gemm-carveout), set around a variant's capture.
         self.carveout: Dict[str, Optional[int]] = dict(attn=None, moe=None)
 
     def _matmul(self, name: str, w: torch.Tensor, out: torch.Tensor, carve: Optional[int]) -> None:
         if self.persistent:
-            shape = {k: v for k, v in self.shapes[name].items() if not k.endswith("ms")}
-            persistent_matmul(self.x, w, out, self.sms - (carve or 0), **shape)
+            persistent_matmul(self.x, w, out, self.sms - (carve or 0), **self.launch[name])
             return
         with gemm_carveout(carve):
             torch.matmul(self.x, w, out=out)
