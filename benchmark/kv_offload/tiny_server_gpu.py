@@ -12,6 +12,10 @@ as the torch references of ``test/srt/kv_offload/standins/kv_offload_standins.py
 and the overlap scheduler on (upstream defaults), first without and then with ``--enable-kv-offload``,
 and for each server:
 
+* sends ``--batched-requests`` greedy requests (contexts up to ``--batched-max-ctx``) in ONE
+  ``/generate`` call, so that both servers run the same batches (``run_batched``): this model's
+  decode rounds differently per batch shape, and with the same shapes in both servers tokens that
+  differ there come from the offload path, at decode batch sizes above one;
 * sends one fixed set of greedy requests all at once (``input_ids`` of random tokens from a fixed
   seed, default 32 requests with contexts from 512 to 32K tokens, ``ignore_eos`` so every request
   decodes ``--max-new-tokens`` tokens) and records every output token;
@@ -275,6 +279,7 @@ def run_server(
     sequential: int = 0,
     env_extra: Optional[Dict[str, str]] = None,
     concurrent: bool = True,
+    batched: Optional[List[List[int]]] = None,
 ) -> Dict[str, Any]:
     res: Dict[str, Any] = {"name": name, "args": server_args, "env": env_extra or {}, "ok": False}
     log_path = out_dir / f"server_{name}.log"
@@ -306,6 +311,8 @@ def run_server(
             raise RuntimeError("warm-up failed 3 times: " + " | ".join(res["warmup_errors"]))
         res["kv_offload_after_warmup"] = server_state(server)
         sampling = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        if batched:
+            res["batched"] = run_batched(server, batched, sampling, deadline)
         outs: List[Optional[dict]] = [None] * len(prompts)
         lat: List[Optional[float]] = [None] * len(prompts)
         timeout = max(30.0, deadline - time.time() - 30)
@@ -362,6 +369,36 @@ def run_server(
     return res
 
 
+def run_batched(
+    server: Server, prompts: List[List[int]], sampling: Dict[str, Any], deadline: float
+) -> Dict[str, Any]:
+    """All ``prompts`` in ONE ``/generate`` call: the scheduler receives them in one message, so two
+    servers whose admission decisions agree run the same prefill chunks and the same decode
+    batches (CUDA graphs of the same size), and their greedy tokens must agree even though this
+    model's decode depends on the batch shape. The decode ``#running-req`` sequence of the phase
+    (from the log) shows whether the batches did agree."""
+    start = len(server.log_text())
+    before = server_state(server)
+    t0 = time.time()
+    outs = http(
+        "POST",
+        server.url + "/generate",
+        {"input_ids": prompts, "sampling_params": sampling},
+        timeout=max(30.0, deadline - time.time() - 30),
+    )
+    wall = time.time() - t0
+    time.sleep(1.0)  # the last decode log line of the phase
+    lines = parse_log(server.log_text()[start:])["decode_lines"]
+    return {
+        "wall_s": wall,
+        "tokens": [o.get("output_ids") for o in outs],
+        "finish_reasons": [o.get("meta_info", {}).get("finish_reason") for o in outs],
+        "decode_running": [x["running"] for x in lines],
+        "all_decode_lines_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
+        "kv_offload_delta": counter_delta(before, server_state(server)),
+    }
+
+
 def server_state(server: Server) -> Optional[Dict[str, Any]]:
     """``internal_states[0]["kv_offload"]`` of ``GET /get_server_info`` (None when absent)."""
     info = http("GET", server.url + "/get_server_info", timeout=60)
@@ -382,6 +419,15 @@ def counter_delta(before: Optional[dict], after: Optional[dict]) -> Optional[Dic
 
 def compare(off: Dict[str, Any], on: Dict[str, Any]) -> Dict[str, Any]:
     return compare_lists(off.get("tokens"), on.get("tokens"))
+
+
+def compare_batched(off: Dict[str, Any], on: Dict[str, Any]) -> Dict[str, Any]:
+    """The batched phase's tokens, and whether both servers logged the same decode batch sizes."""
+    a, b = off.get("batched") or {}, on.get("batched") or {}
+    out = compare_lists(a.get("tokens"), b.get("tokens"))
+    if out["compared"]:
+        out["same_decode_batches"] = a.get("decode_running") == b.get("decode_running")
+    return out
 
 
 def compare_lists(a: Optional[list], b: Optional[list]) -> Dict[str, Any]:
@@ -569,6 +615,19 @@ def main() -> None:
         default=8,
         help="then send the first N (longest) requests again one at a time",
     )
+    p.add_argument(
+        "--batched-requests",
+        type=int,
+        default=16,
+        help="first, this many requests in one /generate call (0: skip that phase)",
+    )
+    p.add_argument(
+        "--batched-max-ctx",
+        type=int,
+        default=4096,
+        help="the batched phase's longest context: every prompt of that phase must fit the "
+        "flag-on server's GPU staging rows at once, or it admits them in a different order",
+    )
     p.add_argument("--no-preflight", action="store_true")
     p.add_argument("--only", choices=["off", "on"], default=None, help="run one side only")
     p.add_argument(
@@ -585,6 +644,7 @@ def main() -> None:
     a = p.parse_args()
     deadline = time.time() + a.deadline_s
     prompts = make_requests(a.num_requests, a.max_ctx, a.seed)
+    batched = make_requests(a.batched_requests, a.batched_max_ctx, a.seed + 1)
     if a.max_total_tokens <= 0:
         need = sum(len(x) + a.max_new_tokens for x in prompts)
         a.max_total_tokens = (need * 5 // 4 + 8191) // 8192 * 8192
@@ -596,6 +656,7 @@ def main() -> None:
         "workload": {
             "num_requests": a.num_requests,
             "context_lengths": [len(x) for x in prompts],
+            "batched_context_lengths": [len(x) for x in batched],
             "max_new_tokens": a.max_new_tokens,
             "seed": a.seed,
             "vocab": VOCAB,
@@ -653,6 +714,7 @@ def main() -> None:
                 f"{name}_{side}", server_args(topk, slots, offload, a), prompts,
                 a.max_new_tokens, out_dir, deadline, a.sequential_requests,
                 env_extra=env_extra, concurrent=not a.race_delay_cycles,
+                batched=None if a.race_delay_cycles else batched,
             )  # fmt: skip
             r = entry[side]
             print(
@@ -674,6 +736,7 @@ def main() -> None:
             print(f"[tiny_server_gpu]   race: {json.dumps(entry['race'])[:800]}", flush=True)
         if "off" in entry and "on" in entry:
             entry["compare"] = compare(entry["off"], entry["on"])
+            entry["compare_batched"] = compare_batched(entry["off"], entry["on"])
             entry["compare_sequential"] = compare_lists(
                 entry["off"].get("tokens_sequential"), entry["on"].get("tokens_sequential")
             )
@@ -685,6 +748,10 @@ def main() -> None:
             entry["step_ms_by_batch"] = {s: entry[s].get("step_ms_by_batch") for s in ("off", "on")}
             entry["step_ms_common_batch"] = common_batch_steps(entry["off"], entry["on"])
             print(f"[tiny_server_gpu]   compare: {json.dumps(entry['compare'])[:600]}", flush=True)
+            print(
+                f"[tiny_server_gpu]   batched: {json.dumps(entry['compare_batched'])[:600]}",
+                flush=True,
+            )
             print(
                 "[tiny_server_gpu]   sequential: "
                 f"{json.dumps(entry['compare_sequential'])[:600]}; off concurrent vs sequential: "
@@ -698,6 +765,9 @@ def main() -> None:
             "config": e["name"],
             "all_tokens_equal": e.get("compare", {}).get("all_equal"),
             "requests_equal": sum(e.get("compare", {}).get("tokens_equal") or []),
+            "batched_all_equal": e.get("compare_batched", {}).get("all_equal"),
+            "batched_requests_equal": sum(e.get("compare_batched", {}).get("tokens_equal") or []),
+            "batched_same_decode_batches": e.get("compare_batched", {}).get("same_decode_batches"),
             "sequential_all_equal": e.get("compare_sequential", {}).get("all_equal"),
             "sequential_requests_equal": sum(
                 e.get("compare_sequential", {}).get("tokens_equal") or []
