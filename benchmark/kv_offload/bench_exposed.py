@@ -229,6 +229,20 @@ def gemm_carveout(sms: Optional[int]):
         torch.backends.cuda.preferred_blas_library(library)
 
 
+def oracle_guess_adapter(topk: torch.Tensor, coordinator, **adapter_args):
+    """A bench-only adapter whose prefetch of layer L+1 plans layer L+1's own top-k (the replayed
+    trace holds it before that layer's indexer would run) instead of layer L's: it loads exactly
+    the next layer's misses, so its exposed time is the floor any guess could reach with this
+    overlap (``--prefetch-oracle``). Not a guess a server could make."""
+    from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
+
+    class OracleGuessAdapter(DSAOffloadAdapter):
+        def _prefetch(self, req_pool_indices, guess, layer_id):
+            super()._prefetch(req_pool_indices, topk[layer_id, : guess.shape[0]], layer_id)
+
+    return OracleGuessAdapter(coordinator, **adapter_args)
+
+
 def load_hisparse(src: str):
     """0.5.23's swap-in (block size 960), or None with the reason printed."""
     if not Path(src).is_dir():
@@ -442,6 +456,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
     adapters = {"offload": point.adapters[False]}
     adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
+    if a.prefetch_oracle:
+        sweep.append("offload+prefetch+oracle")
+        adapters[sweep[-1]] = oracle_guess_adapter(
+            topk,
+            point.adapters[True].coordinator,
+            prefetch_stream_priority=a.prefetch_stream_priority,
+        )
+        adapters[sweep[-1]].num_real_reqs.fill_(bs)
     green: List[str] = []
     carveouts: Dict[str, int] = {}  # variant -> SMs its GEMMs leave free (--gemm-carveout)
     for n in a.prefetch_green_sms:
@@ -459,17 +481,27 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         if a.prefetch_serial:
             forms.append((variant + "+serial", True))
         forms += [(f"{variant}+plan{shape}", False) for shape in a.plan_shapes]
+        if a.prefetch_oracle:
+            forms.append((variant + "+oracle", False))
         if a.gemm_carveout:
             # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
-            forms.append((variant + "+carveout", False))
-            carveouts[variant + "+carveout"] = carveouts[f"compute+carveout{n}"] = part.sms
+            carved_forms = [variant + "+carveout"] + [variant + "+carveout+oracle"] * bool(
+                a.prefetch_oracle
+            )
+            forms += [(name, False) for name in carved_forms]
+            carveouts[f"compute+carveout{n}"] = part.sms
+            carveouts.update({name: part.sms for name in carved_forms})
             if a.gemm == "cublas":
                 carveouts["compute+cublaslt"] = 0  # the library change alone
         for name, serial in forms:
-            adapters[name] = DSAOffloadAdapter(
-                point.adapters[True].coordinator, prefetch_stream=part.stream
-            )
+            coordinator = point.adapters[True].coordinator
+            if name.endswith("+oracle"):
+                adapters[name] = oracle_guess_adapter(
+                    topk, coordinator, prefetch_stream=part.stream
+                )
+            else:
+                adapters[name] = DSAOffloadAdapter(coordinator, prefetch_stream=part.stream)
             adapters[name].num_real_reqs.fill_(bs)
             if serial:  # the form before the next layer's load ran beside the prefetch's
                 adapters[name]._overlaps_prefetch_load = False
@@ -621,6 +653,7 @@ def plot(rows: List[Dict], path: Path) -> None:
     series = [
         ("offload", "kv offload"),
         ("offload+prefetch", "kv offload + prefetch"),
+        ("offload+prefetch+oracle", "kv offload + prefetch, oracle guess (floor)"),
         ("hisparse-0.5.23", "HiSparse 0.5.23"),
     ]
 
@@ -636,6 +669,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
+            ("+carveout+oracle", "GEMMs told to leave those SMs, oracle guess (floor)"),
+            ("+oracle", "oracle guess: the next layer's own top-k (floor)"),
             ("+carveout", "GEMMs told to leave those SMs"),
             # Reverted guesses (14556ee, b3a8c0f); kept to redraw their results.
             ("+twolayers", "two-layer guess"),
@@ -736,6 +771,13 @@ def main() -> None:
         default=[],
         help="also time each --prefetch-green-sms variant with its plan kernels (the next layer's "
         "and the prefetch's) launched with these warps, e.g. 4,16",
+    )
+    p.add_argument(
+        "--prefetch-oracle",
+        action="store_true",
+        help="also time the prefetch (on its ordinary stream and on each --prefetch-green-sms "
+        "partition, with and without --gemm-carveout) guessing the next layer's own top-k: the "
+        "floor of any guess (bench-only; a server cannot know it in advance)",
     )
     p.add_argument(
         "--prefetch-serial",

@@ -93,13 +93,14 @@ def test_bench_lru_runs_on_realistic_traces(tmp_path):
 def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path):
     """The exposed-time benchmark's logic on CPU (eager, interpreter; no timing claims): on
     realistic traces whose adjacent layers share most of their top-k, the prefetch moves loads off
-    the next layer's own plan."""
+    the next layer's own plan; the oracle guess (the next layer's own top-k) moves every load but
+    layer 0's off it, and moves exactly the rows the plain swap-in moves."""
     out = tmp_path / "exposed.json"
     cmd = [
         sys.executable, str(BENCH_DIR / "bench_exposed.py"),
         "--device", "cpu", "--bs", "2", "--ctx", "512", "--layers", "3", "--topk", "64",
         "--slots", "128", "--warm", "1", "--steps", "2", "--compute-scale", "0.001",
-        "--out", str(out),
+        "--prefetch-oracle", "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -110,6 +111,10 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
     assert prefetch["prefetched_rows_per_layer"] > 0
     assert prefetch["loaded_rows_per_layer"] < plain["loaded_rows_per_layer"]
     assert row["trace_stats"]["adjacent_layer_overlap"] > 0.7
+    oracle = row["offload+prefetch+oracle"]
+    assert oracle["loaded_rows_per_layer"] < prefetch["loaded_rows_per_layer"]
+    moved = oracle["loaded_rows_per_layer"] + oracle["prefetched_rows_per_layer"]
+    assert moved == pytest.approx(plain["loaded_rows_per_layer"])
 
 
 def test_layer_budget_replay_matches_the_plan_reference_hit_for_hit():
