@@ -649,7 +649,10 @@ def plot(rows: List[Dict], path: Path) -> None:
         print("[skip] matplotlib not importable: no plot")
         return
     contexts = sorted({r["ctx"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4.2), squeeze=False)
+    # The legend goes beside the last panel: 4.5 inches more.
+    width_in = 6.5 * len(contexts) + 4.5
+    fig, axes = plt.subplots(1, len(contexts), figsize=(width_in, 4.2), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
     series = [
         ("offload", "kv offload"),
         ("offload+prefetch", "kv offload + prefetch"),
@@ -695,6 +698,7 @@ def plot(rows: List[Dict], path: Path) -> None:
                 [r[key]["exposed_ms_per_layer"] for r in points],
                 width,
                 label=label,
+                color=colors[i % len(colors)],
             )
         ax.plot(
             list(x),
@@ -705,9 +709,10 @@ def plot(rows: List[Dict], path: Path) -> None:
         ax.set_xticks(list(x), [f"bs {r['bs']}" for r in points])
         ax.set_ylabel("ms per layer")
         ax.set_title(f"Exposed offload time per layer, ctx {ctx // 1024}K")
-        ax.legend()
+    # Beside the last panel, so that no bar is hidden behind it.
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"[plot] {path}")
 
 
