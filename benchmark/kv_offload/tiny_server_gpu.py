@@ -549,8 +549,8 @@ def server_args(topk: Optional[int], slots: int, offload: bool, a: argparse.Name
     args = [
         "--context-length", str(a.max_ctx + a.max_new_tokens + 256),
         "--max-total-tokens", str(a.max_total_tokens),
-        "--max-running-requests", str(a.num_requests),
-        "--cuda-graph-max-bs-decode", str(a.num_requests),
+        "--max-running-requests", str(a.max_running),
+        "--cuda-graph-max-bs-decode", str(a.max_running),
         # 0.5.23 also captures prefill graphs (breakable CUDA graphs), which need sgl_kernel's
         # weak_ref_tensor; decode graphs (what kv offload runs in) are unaffected.
         "--disable-prefill-cuda-graph",
@@ -645,8 +645,10 @@ def main() -> None:
     deadline = time.time() + a.deadline_s
     prompts = make_requests(a.num_requests, a.max_ctx, a.seed)
     batched = make_requests(a.batched_requests, a.batched_max_ctx, a.seed + 1)
+    # Every request of either phase runs at once.
+    a.max_running = max(a.num_requests, a.batched_requests)
     if a.max_total_tokens <= 0:
-        need = sum(len(x) + a.max_new_tokens for x in prompts)
+        need = max(sum(len(x) + a.max_new_tokens for x in phase) for phase in (prompts, batched))
         a.max_total_tokens = (need * 5 // 4 + 8191) // 8192 * 8192
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
@@ -666,7 +668,7 @@ def main() -> None:
         "server": {
             "max_total_tokens": a.max_total_tokens,
             "chunked_prefill_size": a.chunked_prefill_size,
-            "cuda_graph_max_bs": a.num_requests,
+            "cuda_graph_max_bs": a.max_running,
             "overlap_scheduler": "default (on)",
             "env": {
                 k: v
