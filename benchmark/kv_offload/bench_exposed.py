@@ -545,13 +545,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph), plan_launch(plan_shape):
                     step(variant)
-                compute.carveout = dict(attn=None, moe=None)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001
                 if variant not in green:
                     raise
                 out[variant] = dict(error=f"{type(e).__name__}: {e}")
                 continue
+            finally:  # the captured graph keeps its grids; later captures choose their own
+                compute.carveout = dict(attn=None, moe=None)
             point.reset()
             if hisparse is not None:
                 hisparse.reset()
