@@ -30,6 +30,8 @@ writes the JSON and a plot next to it (``--plot-only JSON`` redraws it). ``--tim
 variant, where each layer's time goes (``kernel_timeline.py``: the offload's kernels between two
 layers' compute, and how much longer the compute runs beside the prefetch). ``--gemm persistent``
 runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel instead of cuBLAS's.
+``--prefetch-oracle`` adds the prefetch guessing the next layer's own top-k, which no server knows
+in advance: the floor of any guess (``oracle_guess_adapter``).
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
