@@ -615,6 +615,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 compute_names={k.name for v in ("compute", *carved) for k in kernels.get(v, [])},
                 read_name=kernels["compute"][0].name,
                 copy_tag="copy_rows",
+                compute_alone_ms=out.get("compute", {}).get("timeline", {}).get("compute_ms"),
             )
             entry["kernels"] = [
                 [

@@ -7,8 +7,10 @@ what sits between one layer's compute and the next layer's attention read (the o
 the critical path): its length, each offload kernel's busy time in it and the time no offload
 kernel runs (waits and launch gaps), how long two copies ran at once in it (two loads sharing the
 host link), the compute's length (against the compute alone: how much the offload work running
-beside it slows it) and each offload kernel's busy time under it. ``bench_exposed.py --timeline``
-records it for each variant.
+beside it slows it) and each offload kernel's busy time under it. Given the compute alone's length,
+it also reports the steady-state exposed time: what one layer boundary adds to the critical path
+(gap plus compute, less the compute alone), which leaves out the first layer's own load (no layer
+before it prefetches for it). ``bench_exposed.py --timeline`` records it for each variant.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ def short_name(name: str) -> str:
 
 
 def layer_breakdown(
-    kernels: Sequence[Kernel], compute_names: Set[str], read_name: str, copy_tag: str
+    kernels: Sequence[Kernel],
+    compute_names: Set[str],
+    read_name: str,
+    copy_tag: str,
+    compute_alone_ms: Optional[float] = None,
 ) -> Dict:
     """Per-layer medians (ms) of a step's kernels; see the module docstring.
 
@@ -111,6 +117,7 @@ def layer_breakdown(
     ``read_name``: the kernel that starts each layer's compute (the attention read);
     ``copy_tag``: a substring of the host -> device copy kernels' names. Kernels are told apart by
     name and time, not by stream: a CUDA graph's replay runs its branches on streams of its own.
+    ``compute_alone_ms``: the compute alone's ``compute_ms``; adds ``steady_exposed_ms``.
     """
     reads = [k for k in kernels if k.name == read_name]
     if len(reads) < 2:
@@ -148,7 +155,7 @@ def layer_breakdown(
         names = sorted({n for r in rows for n in r[key]})
         return {n: med([r[key].get(n, 0.0) for r in rows]) for n in names}
 
-    return dict(
+    out = dict(
         boundaries=len(rows),
         gap_ms=med([r["gap"] for r in rows]),
         compute_ms=med([r["compute"] for r in rows]),
@@ -157,3 +164,7 @@ def layer_breakdown(
         offload_under_compute_ms=med_by_name("under_compute"),
         copies_together_in_gap_ms=med([r["copies_together"] for r in rows]),
     )
+    if compute_alone_ms is not None:
+        steady = med([r["gap"] + r["compute"] for r in rows]) - compute_alone_ms
+        out["steady_exposed_ms"] = round(steady, 4)
+    return out

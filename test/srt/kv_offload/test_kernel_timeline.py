@@ -75,6 +75,12 @@ def test_breakdown_of_a_synthetic_step():
         "_copy_rows_kernel": pytest.approx(0.101),
         "_plan_layer_kernel": pytest.approx(0.004),
     }
+    assert "steady_exposed_ms" not in out
+    # Against a compute alone of 90 us: each boundary adds 60 us of gap and 15 us of slowdown.
+    alone = layer_breakdown(
+        kernels, {"indexSelect", "gemm"}, "indexSelect", "copy", compute_alone_ms=0.090
+    )
+    assert alone["steady_exposed_ms"] == pytest.approx(0.075)
 
 
 def test_kernel_names_lose_return_type_and_arguments():
