@@ -488,16 +488,16 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         if a.gemm_carveout:
             # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
-            carved_forms = [variant + "+carveout"] + [variant + "+carveout+oracle"] * bool(
-                a.prefetch_oracle
-            )
+            carved_forms = [variant + "+carveout"]
+            if a.prefetch_oracle:
+                carved_forms.append(variant + "+carveout+oracle")
             forms += [(name, False) for name in carved_forms]
             carveouts[f"compute+carveout{n}"] = part.sms
             carveouts.update({name: part.sms for name in carved_forms})
             if a.gemm == "cublas":
                 carveouts["compute+cublaslt"] = 0  # the library change alone
+        coordinator = point.adapters[True].coordinator
         for name, serial in forms:
-            coordinator = point.adapters[True].coordinator
             if name.endswith("+oracle"):
                 adapters[name] = oracle_guess_adapter(
                     topk, coordinator, prefetch_stream=part.stream
