@@ -31,7 +31,8 @@ variant, where each layer's time goes (``kernel_timeline.py``: the offload's ker
 layers' compute, and how much longer the compute runs beside the prefetch). ``--gemm persistent``
 runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel instead of cuBLAS's.
 ``--prefetch-oracle`` adds the prefetch guessing the next layer's own top-k, which no server knows
-in advance: the floor of any guess (``oracle_guess_adapter``).
+in advance: the floor of any guess (``oracle_guess_adapter``). ``--prefetch-green-priority0`` adds
+each partition form with its stream at priority 0 (``SmPartition``'s before it took the highest).
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
@@ -493,21 +494,25 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 carved_forms.append(variant + "+carveout+oracle")
             forms += [(name, False) for name in carved_forms]
             carveouts[f"compute+carveout{n}"] = part.sms
-            carveouts.update({name: part.sms for name in carved_forms})
             if a.gemm == "cublas":
                 carveouts["compute+cublaslt"] = 0  # the library change alone
+        streams = {"": part.stream}
+        if a.prefetch_green_priority0:  # each form again with the partition's stream at priority 0
+            streams["+prio0"] = SmPartition(n, device, priority=0).stream
         coordinator = point.adapters[True].coordinator
-        for name, serial in forms:
-            if name.endswith("+oracle"):
-                adapters[name] = oracle_guess_adapter(
-                    topk, coordinator, prefetch_stream=part.stream
-                )
-            else:
-                adapters[name] = DSAOffloadAdapter(coordinator, prefetch_stream=part.stream)
-            adapters[name].num_real_reqs.fill_(bs)
-            if serial:  # the form before the next layer's load ran beside the prefetch's
-                adapters[name]._overlaps_prefetch_load = False
-            green.append(name)
+        for suffix, stream in streams.items():
+            for form, serial in forms:
+                name = form + suffix
+                if "+carveout" in name:
+                    carveouts[name] = part.sms
+                if "+oracle" in name:
+                    adapters[name] = oracle_guess_adapter(topk, coordinator, prefetch_stream=stream)
+                else:
+                    adapters[name] = DSAOffloadAdapter(coordinator, prefetch_stream=stream)
+                adapters[name].num_real_reqs.fill_(bs)
+                if serial:  # the form before the next layer's load ran beside the prefetch's
+                    adapters[name]._overlaps_prefetch_load = False
+                green.append(name)
     theirs = ["hisparse-0.5.23"] if hisparse is not None else []
     carved = [v for v in carveouts if v.startswith("compute")]
     kernels: Dict[str, List[Kernel]] = {}  # --timeline: the profiled step's kernels per variant
@@ -685,6 +690,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         )
         text = next((text for tag, text in forms if tag in key), None)
         where = f"prefetch load on {green_sms(key)} SMs"
+        if "+prio0" in key:
+            where += " at priority 0"
         shape = key.rpartition("green")[2].partition("@")[2]
         if shape:
             where += " ({} programs/SM x {} rows x {} warps)".format(*shape.split(":"))
@@ -787,6 +794,12 @@ def main() -> None:
         help="also time the prefetch (on its ordinary stream and on each --prefetch-green-sms "
         "partition, with and without --gemm-carveout) guessing the next layer's own top-k: the "
         "floor of any guess (bench-only; a server cannot know it in advance)",
+    )
+    p.add_argument(
+        "--prefetch-green-priority0",
+        action="store_true",
+        help="also time each --prefetch-green-sms form with the partition's stream at CUDA "
+        "priority 0 instead of the device's highest (SmPartition's default since this option)",
     )
     p.add_argument(
         "--prefetch-serial",

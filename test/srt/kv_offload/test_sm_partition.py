@@ -22,6 +22,10 @@ def test_gpu_partition_splits_the_sms_and_runs_the_copy_kernel():
             SmPartition(bad, dev)
     part = SmPartition(8, dev, with_remainder=True)
     assert 8 <= part.sms < total and part.sms + part.rest_sms == total
+    # The prefetch's stream outranks the compute's; the remainder (a benchmark's compute) does not.
+    highest = torch.cuda.Stream.priority_range()[1]
+    assert highest < 0 and part.stream.priority == highest and part.rest_stream.priority == 0
+    assert SmPartition(8, dev, priority=0).stream.priority == 0
     host = torch.randint(0, 256, (4096, 656), dtype=torch.uint8).pin_memory()
     src = torch.randperm(4096, device=dev)[:1000]
     dst = torch.zeros((1000, 656), dtype=torch.uint8, device=dev)

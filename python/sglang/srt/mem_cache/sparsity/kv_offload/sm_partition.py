@@ -43,12 +43,22 @@ class SmPartitionError(RuntimeError):
 class SmPartition:
     """``stream``: a stream on at least ``num_sms`` SMs of ``device``; ``sms``: how many it got.
 
-    With ``with_remainder``, ``rest_stream`` runs on the other ``rest_sms`` SMs. The green
-    contexts are never destroyed: like the streams made from them (and graphs that captured
-    those), they live until the process exits.
+    ``priority``: the CUDA priority of ``stream`` (lower is higher); by default the device's
+    highest, as the prefetch's plan stream has. Kernels of other contexts still run on the
+    partition's SMs; at priority 0 a kernel issued there waited until a compute kernel of many
+    programs had dispatched its last one (0.15-0.2 ms per layer at bs 128, ``bench_exposed.py
+    --prefetch-green-priority0``). With ``with_remainder``, ``rest_stream`` (priority 0) runs on
+    the other ``rest_sms`` SMs. The green contexts are never destroyed: like the streams made from
+    them (and graphs that captured those), they live until the process exits.
     """
 
-    def __init__(self, num_sms: int, device: torch.device, with_remainder: bool = False):
+    def __init__(
+        self,
+        num_sms: int,
+        device: torch.device,
+        with_remainder: bool = False,
+        priority: Optional[int] = None,
+    ):
         device = torch.device(device)
         if device.type != "cuda":
             raise SmPartitionError(f"an SM partition needs a CUDA device, got {device}")
@@ -80,10 +90,12 @@ class SmPartition:
             "cuDevSmResourceSplitByCount",
         )
         self._contexts: List[ctypes.c_void_p] = []
+        if priority is None:
+            priority = torch.cuda.Stream.priority_range()[1]
         self.sms = self._sm_count(group)
-        self.stream = self._stream(group)
+        self.stream = self._stream(group, priority)
         self.rest_sms: Optional[int] = self._sm_count(rest) if with_remainder else None
-        self.rest_stream = self._stream(rest) if with_remainder else None
+        self.rest_stream = self._stream(rest, 0) if with_remainder else None
 
     @staticmethod
     def _sm_count(resource) -> int:
@@ -96,7 +108,7 @@ class SmPartition:
                 "that supports them; turn prefetch_sms off (0) to use an ordinary stream"
             )
 
-    def _stream(self, resource) -> torch.cuda.ExternalStream:
+    def _stream(self, resource, priority: int) -> torch.cuda.ExternalStream:
         desc, ctx, handle = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._check(
             self._cu.cuDevResourceGenerateDesc(ctypes.byref(desc), resource, 1),
@@ -110,7 +122,9 @@ class SmPartition:
         )
         self._contexts.append(ctx)
         self._check(
-            self._cu.cuGreenCtxStreamCreate(ctypes.byref(handle), ctx, CU_STREAM_NON_BLOCKING, 0),
+            self._cu.cuGreenCtxStreamCreate(
+                ctypes.byref(handle), ctx, CU_STREAM_NON_BLOCKING, priority
+            ),
             "cuGreenCtxStreamCreate",
         )
         return torch.cuda.ExternalStream(handle.value)
