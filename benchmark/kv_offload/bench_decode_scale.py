@@ -537,13 +537,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for bs, ctx in points:
         if not a.skip_memory:
             res["memory"].append(memory_point(bs, ctx, a))
-            json.dump(res, open(a.out, "w"), indent=1)
+            ne.write_results(a.out, res)
     for bs, ctx in points:
         if not a.skip_timing:
             res["timing"].append(timing_point(bs, ctx, a))
-            json.dump(res, open(a.out, "w"), indent=1)
+            ne.write_results(a.out, res)
     res["wall_s"] = time.time() - t0
-    json.dump(res, open(a.out, "w"), indent=1)
+    ne.write_results(a.out, res)
     plot(res, os.path.splitext(a.out)[0] + ".png")
     return 0
 

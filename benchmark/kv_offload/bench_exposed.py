@@ -58,8 +58,15 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402
-from bench_common import prepare_environment  # noqa: E402
-from bench_common import FP8_ROW_BYTES, INDEX_DIM, KV_LORA, PAGE, ROPE  # noqa: E402
+from bench_common import (  # noqa: E402
+    FP8_ROW_BYTES,
+    INDEX_DIM,
+    KV_LORA,
+    PAGE,
+    ROPE,
+    prepare_environment,
+    results_json,
+)
 from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
 from persistent_gemm import fastest, padded, persistent_matmul, tune  # noqa: E402
 
@@ -862,7 +869,7 @@ def main() -> None:
             if device.type == "cuda":  # the point's pools are gone with run_point's frame
                 torch.cuda.empty_cache()
             rows.append(r)
-            Path(a.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))  # per point
+            Path(a.out).write_text(results_json(dict(meta=meta, rows=rows)))  # per point
             c, o, f = r["compute"], r["offload"], r["offload+prefetch"]
             print(
                 f"bs {bs:4d} ctx {ctx:7d}: compute {c['ms_per_layer']:.3f} ms/layer; exposed "

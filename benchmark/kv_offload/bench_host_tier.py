@@ -337,7 +337,7 @@ def main():
     import triton
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_common import prepare_environment
+    from bench_common import prepare_environment, write_results
 
     prepare_environment("cuda")  # the upstream pools read a published configuration
     t_start = time.time()
@@ -367,9 +367,7 @@ def main():
         result["backup"][row] = bench_backup(row, args.backup_tokens, args.backup_layers, 3, cfgs)
     result["total_s"] = time.time() - t_start
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_results(args.out, json.loads(json.dumps(result, default=str)))
 
     print(f"device {result['device']}  torch {result['torch']}  triton {result['triton']}")
     print(f"transfer module from {TRANSFER_SRC}")

@@ -45,6 +45,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import traces as realistic  # noqa: E402  (imports torch only)
+from bench_common import results_json  # noqa: E402
 
 logger = logging.getLogger("bench_lru")
 ROOT = Path(__file__).resolve().parents[2]
@@ -836,7 +837,7 @@ def main() -> None:
             "skipped": skipped,
             "wall_s": time.time() - t_start,
         }
-        out.write_text(json.dumps(doc, indent=1))
+        out.write_text(results_json(doc))
 
     for (bs, ctx, churn, row), (shape, sort) in ((pt, v) for pt in points for v in variants):
         if shape is not None:

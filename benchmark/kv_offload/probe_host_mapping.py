@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import write_results  # noqa: E402
 from probe_uva_gather import bench, transfer  # noqa: E402  (same loader and timing loop)
 
 ROW = 656
@@ -318,10 +318,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "env": {"torch": torch.__version__, "device": torch.cuda.get_device_name()},
     }
     probe_row_sizes(args, dev, res)
-    json.dump(res, open(args.out, "w"), indent=1)
+    write_results(args.out, res)
     if not args.skip_mapping:
         probe_mapping(args, dev, res)
-    json.dump(res, open(args.out, "w"), indent=1)
+    write_results(args.out, res)
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
-import json
 import mmap
 import os
 import statistics
@@ -19,6 +18,9 @@ import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location(
@@ -144,7 +146,7 @@ def main():
             torch.cuda.empty_cache()
     res["memcpy_GBps"] = n * ROW / res["memcpy_ms"] / 1e6
     print("memcpy", res["memcpy_GBps"])
-    json.dump(res, open(args.out, "w"), indent=1)
+    write_results(args.out, res)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_server  # noqa: E402
+from bench_common import results_json  # noqa: E402
 
 VOCAB = 1024  # the tiny model's vocab (fixtures/tiny-deepseek-v32/config.json)
 FIRST_TOKEN = 2  # skip <s>/</s> (ids 0 and 1)
@@ -680,7 +682,7 @@ def main() -> None:
     }
 
     def save() -> None:
-        out_path.write_text(json.dumps(report, indent=1))
+        out_path.write_text(results_json(report))
 
     if not a.no_preflight:
         report["preflight"] = preflight(timeout=min(300.0, deadline - time.time()))

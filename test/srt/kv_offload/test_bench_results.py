@@ -1,0 +1,42 @@
+"""benchmark/kv_offload/bench_common.results_json: the committed results' JSON layout."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
+sys.path.insert(0, str(BENCH_DIR))
+from bench_common import RESULTS_LINE, results_json  # noqa: E402
+
+
+def test_results_json_round_trips_with_short_lists_on_one_line():
+    kernel = ["_copy_rows_kernel", 7, 37.95, 1196.23, [16896, 1, 1], [128, 1, 1], 18, 0]
+    tokens = list(range(300))  # longer than a line, but scalars: one line
+    doc = {
+        "rows": [{"bs": 32, "kernels": [kernel] * 3, "timeline": {}, "tokens": tokens}],
+        "empty": [],
+        "nested": [[{"a": 1}]],
+        "wide": [[i] * 40 for i in range(3)],  # lists too long for one line together
+        7: "keys become strings",
+    }
+    text = results_json(doc)
+    assert json.loads(text) == json.loads(json.dumps(doc))
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[1] == ' "rows": ['
+    assert (
+        '    ["_copy_rows_kernel", 7, 37.95, 1196.23, [16896, 1, 1], [128, 1, 1], 18, 0],' in lines
+    )
+    assert f'   "tokens": {json.dumps(tokens)}' in lines
+    assert ' "empty": [],' in lines and '  "timeline": {},' not in lines
+    assert '   "timeline": {},' in lines
+    wide = lines.index(' "wide": [')
+    assert all(len(line) <= RESULTS_LINE + 2 for line in lines[wide + 1 : wide + 4])
+
+
+def test_committed_results_are_in_that_layout():
+    """Re-dumping a committed results file changes nothing (halves the bytes carried to the GPU)."""
+    files = sorted((BENCH_DIR / "results").glob("*.json"))
+    assert files
+    for path in files:
+        text = path.read_text()
+        assert results_json(json.loads(text)) == text, f"{path.name}: run results_json on it"
