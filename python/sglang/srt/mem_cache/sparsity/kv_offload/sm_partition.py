@@ -46,10 +46,11 @@ class SmPartition:
     ``priority``: the CUDA priority of ``stream`` (lower is higher); by default the device's
     highest, as the prefetch's plan stream has. Kernels of other contexts still run on the
     partition's SMs; at priority 0 a kernel issued there waited until a compute kernel of many
-    programs had dispatched its last one (0.15-0.2 ms per layer at bs 128, ``bench_exposed.py
-    --prefetch-green-priority0``). With ``with_remainder``, ``rest_stream`` (priority 0) runs on
-    the other ``rest_sms`` SMs. The green contexts are never destroyed: like the streams made from
-    them (and graphs that captured those), they live until the process exits.
+    programs had dispatched its last one (at bs 128, 0.11-0.13 ms more exposed time per layer on
+    the H200: ``bench_exposed.py --prefetch-green-priority0``). With ``with_remainder``,
+    ``rest_stream`` (priority 0) runs on the other ``rest_sms`` SMs. The green contexts are never
+    destroyed: like the streams made from them (and graphs that captured those), they live until
+    the process exits.
     """
 
     def __init__(
