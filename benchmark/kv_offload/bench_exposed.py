@@ -33,6 +33,7 @@ runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel 
 ``--prefetch-oracle`` adds the prefetch guessing the next layer's own top-k, which no server knows
 in advance: the floor of any guess (``oracle_guess_adapter``). ``--prefetch-green-priority0`` adds
 each partition form with its stream at priority 0 (``SmPartition``'s before it took the highest).
+``--compute-confined`` adds each partition form with the compute on the other SMs' green context.
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
@@ -434,18 +435,32 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     if hisparse_fn is not None:
         hisparse = HiSparseLayers(point, hisparse_fn, a.slots, a.topk)
 
+    # --compute-confined: variant -> the stream of the SMs outside its partition, which runs the
+    # layer's compute (forked from the forward stream and joined back, inside the graph).
+    confined: Dict[str, torch.cuda.Stream] = {}
+
+    def layer_compute(variant: str, kv_rows: torch.Tensor, rows: torch.Tensor) -> None:
+        stream = confined.get(variant)
+        if stream is None:
+            compute(kv_rows, rows)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            compute(kv_rows, rows)
+        torch.cuda.current_stream().wait_stream(stream)
+
     def step(variant: str) -> None:
         for layer in range(a.layers):
             kv_rows = point.pool.device_row_view(layer)
             if variant.startswith("compute"):
-                compute(kv_rows, static_rows)
+                layer_compute(variant, kv_rows, static_rows)
                 continue
             if variant == "hisparse-0.5.23":
                 rows = hisparse(topk[layer], layer)
                 compute(hisparse.device_rows[layer].view(-1, FP8_ROW_BYTES), rows)
                 continue
             rows = adapters[variant].swap_in_selected_pages(rpi, seq, topk[layer], layer)
-            compute(kv_rows, rows)
+            layer_compute(variant, kv_rows, rows)
 
     out: Dict = dict(
         bs=bs,
@@ -506,12 +521,19 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         streams = {"": part.stream}
         if a.prefetch_green_priority0:  # each form again with the partition's stream at priority 0
             streams["+prio0"] = SmPartition(n, device, priority=0).stream
+        if a.compute_confined:  # each form again with the compute on the other SMs' green context
+            rest = SmPartition(n, device, with_remainder=True)
+            streams["+confined"] = rest.stream
+            confined[f"compute+confined{n}"] = rest.rest_stream
+            carveouts[f"compute+confined{n}"] = rest.sms
         coordinator = point.adapters[True].coordinator
         for suffix, stream in streams.items():
             for form, serial in forms:
                 name = form + suffix
-                if "+carveout" in name:
+                if "+carveout" in name or suffix == "+confined":  # a persistent grid of the rest
                     carveouts[name] = part.sms
+                if suffix == "+confined":
+                    confined[name] = rest.rest_stream
                 if "+oracle" in name:
                     adapters[name] = oracle_guess_adapter(topk, coordinator, prefetch_stream=stream)
                 else:
@@ -549,7 +571,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 carve = carveouts.get(variant)
-                compute.carveout = dict(attn=carve if a.gemm_carveout == "all" else None, moe=carve)
+                both = a.gemm_carveout == "all" or variant in confined
+                compute.carveout = dict(attn=carve if both else None, moe=carve)
                 plan_shape = variant.partition("+plan")[2]
                 with torch.cuda.stream(side), plan_launch(plan_shape):
                     step(variant)  # compile and warm outside the capture
@@ -699,6 +722,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         where = f"prefetch load on {green_sms(key)} SMs"
         if "+prio0" in key:
             where += " at priority 0"
+        if "+confined" in key:
+            where += ", compute on the other SMs"
         shape = key.rpartition("green")[2].partition("@")[2]
         if shape:
             where += " ({} programs/SM x {} rows x {} warps)".format(*shape.split(":"))
@@ -807,6 +832,13 @@ def main() -> None:
         action="store_true",
         help="also time each --prefetch-green-sms form with the partition's stream at CUDA "
         "priority 0 instead of the device's highest (SmPartition's default since this option)",
+    )
+    p.add_argument(
+        "--compute-confined",
+        action="store_true",
+        help="also time each --prefetch-green-sms form with the layer's compute on a green "
+        "context of the other SMs (bench-only: a server's forward keeps every SM), beside the "
+        "compute alone so confined",
     )
     p.add_argument(
         "--prefetch-serial",
