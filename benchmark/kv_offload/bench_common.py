@@ -39,12 +39,12 @@ def results_json(doc: Any, level: int = 0) -> str:
             f"{inner}{json.dumps(str(k))}: {results_json(v, level + 1)}" for k, v in doc.items()
         )
         return "{\n" + ",\n".join(items) + f"\n{outer}}}"
-    flat = json.dumps(doc)
     if not isinstance(doc, list) or not doc:
-        return flat
-    scalars = not any(isinstance(v, (dict, list)) for v in doc)
-    if scalars or (len(flat) <= RESULTS_LINE and not any(isinstance(v, dict) for v in doc)):
-        return flat
+        return json.dumps(doc)
+    if not any(isinstance(v, dict) for v in doc):  # serialized only where it may be the answer
+        flat = json.dumps(doc)
+        if len(flat) <= RESULTS_LINE or not any(isinstance(v, list) for v in doc):
+            return flat
     return "[\n" + ",\n".join(inner + results_json(v, level + 1) for v in doc) + f"\n{outer}]"
 
 
