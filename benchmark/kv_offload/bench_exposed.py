@@ -498,7 +498,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
 
         variant = f"offload+prefetch@green{n}"
         try:
-            part = SmPartition(n, device)
+            part = SmPartition(n, device, with_remainder=a.compute_confined)
         except Exception as e:  # noqa: BLE001 (recorded; the other variants still run)
             out[variant] = dict(error=f"{type(e).__name__}: {e}")
             continue
@@ -522,10 +522,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         if a.prefetch_green_priority0:  # each form again with the partition's stream at priority 0
             streams["+prio0"] = SmPartition(n, device, priority=0).stream
         if a.compute_confined:  # each form again with the compute on the other SMs' green context
-            rest = SmPartition(n, device, with_remainder=True)
-            streams["+confined"] = rest.stream
-            confined[f"compute+confined{n}"] = rest.rest_stream
-            carveouts[f"compute+confined{n}"] = rest.sms
+            streams["+confined"] = part.stream
+            confined[f"compute+confined{n}"] = part.rest_stream
+            carveouts[f"compute+confined{n}"] = part.sms
         coordinator = point.adapters[True].coordinator
         for suffix, stream in streams.items():
             for form, serial in forms:
@@ -533,7 +532,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 if "+carveout" in name or suffix == "+confined":  # a persistent grid of the rest
                     carveouts[name] = part.sms
                 if suffix == "+confined":
-                    confined[name] = rest.rest_stream
+                    confined[name] = part.rest_stream
                 if "+oracle" in name:
                     adapters[name] = oracle_guess_adapter(topk, coordinator, prefetch_stream=stream)
                 else:
