@@ -34,6 +34,7 @@ runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel 
 in advance: the floor of any guess (``oracle_guess_adapter``). ``--prefetch-green-priority0`` adds
 each partition form with its stream at priority 0 (``SmPartition``'s before it took the highest).
 ``--compute-confined`` adds each partition form with the compute on the other SMs' green context.
+With ``--gemm-carveout``, each ``--prefetch-shapes`` form is timed with the GEMMs told as well.
 
 ``--device cpu`` runs the same code eagerly under the Triton interpreter (tiny sizes; a smoke test,
 no timing claims).
@@ -512,6 +513,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
             carved_forms = [variant + "+carveout"]
+            carved_forms += [f"{variant}@{shape}+carveout" for shape in a.prefetch_shapes]
             if a.prefetch_oracle:
                 carved_forms.append(variant + "+carveout+oracle")
             forms += [(name, False) for name in carved_forms]
@@ -552,6 +554,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         controller.prefetch_load_config = default_prefetch
         if "@green" in variant:
             sms, _, shape = variant.partition("@green")[2].partition("@")
+            shape = shape.partition("+")[0]  # the shape, without a form's suffixes
             load = controller.load_config
             partition_sms = int(sms.partition("+")[0])
             controller.prefetch_load_config = (
