@@ -268,7 +268,8 @@ def bench_backup(row, tokens, layers, iters, configs):
                 host.host_row_view(l)[alloc.loc_to_host[locs].cpu()].cuda(),
                 pool.device_row_view(l)[phys],
             )
-        cc.release_request("bench", locs)
+        cc.cancel_tag("bench")  # finish, as the coordinator releases a request
+        alloc.free(locs)
         return s.elapsed_time(e), wall_ms, submit_ms, exact
 
     out = []
@@ -363,7 +364,7 @@ def main():
     for row in rows:
         sweep = result["loads"][row]["sweep"]
         cfgs = [T.CopyLaunchConfig(**s["cfg"]) for s in sweep[:2] if "ms" in s]
-        cfgs.append(T.default_launch_config(DEV))
+        cfgs += [T.default_backup_launch_config(DEV), T.default_launch_config(DEV)]
         result["backup"][row] = bench_backup(row, args.backup_tokens, args.backup_layers, 3, cfgs)
     result["total_s"] = time.time() - t_start
 

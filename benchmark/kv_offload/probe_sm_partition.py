@@ -29,6 +29,12 @@ kernel that only computes (as long as the host gather; SMs busy, no memory traff
 ``slowdown`` = compute beside / alone - 1. With ``--clocks``, ``nvidia-smi`` samples the SM clock
 and the power while each pair runs for a second.
 
+``--backups`` times what a co-located server does while a prompt's pages are backed up: the
+compute on an ordinary stream over every SM beside ``copy_rows`` of ``--rows`` contiguous device
+rows per layer to contiguous host rows on another ordinary stream of priority 0 (the controller's
+``write_stream``), with the backups' launch shape (``default_backup_launch_config``), their former
+one (``default_launch_config``: 4 programs per SM) and others (``--backup-programs``).
+
     source scripts/gpu_env.sh
     python3 benchmark/kv_offload/probe_sm_partition.py --out results/probe_sm_partition-h200.json
     python3 benchmark/kv_offload/probe_sm_partition.py --gemm persistent --partners 16 --clocks \
@@ -38,6 +44,7 @@ and the power while each pair runs for a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -261,6 +268,55 @@ def partners_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst
     return out
 
 
+def backups_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst) -> Dict:
+    """``--backups``: the compute on every SM beside a prompt's backup on an ordinary stream."""
+    from sglang.srt.mem_cache.sparsity.kv_offload import transfer
+
+    dev = dst.device
+    rows = torch.arange(a.rows, dtype=torch.int64, device=dev)  # whole pages, in order
+    compute_s, write_s = torch.cuda.Stream(), torch.cuda.Stream()  # priority 0, as the write stream
+
+    def run_compute() -> None:
+        for _ in range(a.layers):
+            compute(kv_rows, read_rows)
+
+    def backup(config) -> Callable[[], None]:
+        def run() -> None:
+            for layer in range(a.layers):  # each layer's rows to their own host slab
+                transfer.copy_rows(dst, host, rows, rows + layer * a.rows, config=config)
+
+        return run
+
+    compute_ms = timed([compute_s], [run_compute], a.iters)[0]
+    mb = a.rows * FP8_ROW_BYTES / 1e6 * a.layers
+    default = transfer.default_backup_launch_config(dev)
+    former = transfer.default_launch_config(dev)  # the backups' shape before the backup default
+    shapes = [f"{c.num_programs}:{c.rows_per_program}" for c in (default, former)]
+    shapes += [v if ":" in v else f"{v}:4" for v in a.backup_programs.split(",") if v]
+    out: Dict = dict(compute_alone_ms=compute_ms / a.layers, backup_mb=mb, backups=[])
+    for shape in dict.fromkeys(shapes):
+        programs, tile = (int(v) for v in shape.split(":"))
+        config = dataclasses.replace(default, num_programs=programs, rows_per_program=tile)
+        work = backup(config)
+        alone = timed([write_s], [work], a.iters)[0]
+        both, (compute_span, backup_span) = timed(
+            [compute_s, write_s], [run_compute, work], a.iters
+        )
+        entry = dict(
+            programs=programs,
+            rows_per_program=config.rows_per_program,
+            backup_alone_ms=alone,
+            backup_GBps=mb / alone,
+            backup_beside_ms=backup_span,
+            compute_beside_ms=compute_span / a.layers,
+            slowdown=compute_span / compute_ms - 1,
+            both_ms=both,
+        )
+        out["backups"].append(entry)
+        print(json.dumps(entry), flush=True)
+    return out
+
+
 def sample_while(a, dev, streams, works) -> Dict:
     """The clocks while ``works`` run on ``streams`` back to back for about a second."""
     with ClockSampler(dev.index or 0) as sampler:
@@ -295,6 +351,17 @@ def main() -> None:
         "--host-region-gb",
         default="",
         help="--partners: also the host gather from random rows of the first GB, e.g. 0.25,2.75",
+    )
+    p.add_argument(
+        "--backups",
+        action="store_true",
+        help="instead: the compute on every SM beside a prompt's backup (module docstring)",
+    )
+    p.add_argument(
+        "--backup-programs",
+        default="",
+        help="--backups: launch shapes besides the backups' default and former default, "
+        "programs[:rows per tile]",
     )
     p.add_argument(
         "--host-writes",
@@ -348,6 +415,11 @@ def main() -> None:
         copy_mb_per_layer=mb,
         modes=[],
     )
+    if a.backups:
+        res.pop("modes")
+        res.update(backups_probe(a, compute, kv_rows, read_rows, host, dst))
+        write_results(a.out, res)
+        return
     if a.partners:
         res.pop("modes")
         res.update(partners_probe(a, compute, kv_rows, read_rows, host, dst, src_idx))

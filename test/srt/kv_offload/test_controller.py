@@ -313,8 +313,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("row", [656, 1152])
 def test_gpu_backup_poll_and_graph_replay_of_load_one_layer(row):
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import BACKUP_PROGRAMS
+
     t = Tier(row, physical=16384, logical=16384, device="cuda")
     assert t.host.pin_memory
+    # Backups run beside the decode forward on a small fixed grid (default_backup_launch_config).
+    assert t.cc.backup_config.num_programs == BACKUP_PROGRAMS
     n = 4096
     locs, kv = t.admit(0, n)
     h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, n, tag="g")

@@ -11,6 +11,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     copy_rows_all_layers,
     copy_rows_all_layers_ref,
     copy_rows_ref,
+    default_backup_launch_config,
     default_load_launch_config,
 )
 
@@ -155,7 +156,7 @@ def test_errors_are_clear():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("row_bytes,dtype", ROW_LAYOUTS)
-@pytest.mark.parametrize("load_shape", ["default", "load"])
+@pytest.mark.parametrize("load_shape", ["default", "load", "backup"])
 def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
     n_host, n = 200_000, 26_000
     host = _rows(n_host, row_bytes, dtype, 0).pin_memory()
@@ -163,7 +164,11 @@ def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
     si = torch.randperm(n_host, device="cuda")[:n].to(torch.int32)
     di = torch.randperm(2 * n, device="cuda")[:n]
     si[::9] = -1
-    cfg = default_load_launch_config(torch.device("cuda")) if load_shape == "load" else None
+    cfg = dict(
+        default=None,
+        load=default_load_launch_config(torch.device("cuda")),
+        backup=default_backup_launch_config(torch.device("cuda")),
+    )[load_shape]
     count = torch.tensor([n - 5], dtype=torch.int32, device="cuda")
     copy_rows(host, dev, si, di, count, cfg)
     si[n - 5 :] = -1  # past the device-side count: not copied
@@ -172,7 +177,7 @@ def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
     assert torch.equal(_bytes(dev)[di[live]].cpu(), _bytes(host)[si[live].long().cpu()])
     assert not _bytes(dev)[di[n - 5 :]].any()
     back = torch.zeros_like(host).pin_memory()
-    copy_rows(dev, back, di[live], si[live])
+    copy_rows(dev, back, di[live], si[live], config=cfg)
     torch.cuda.synchronize()
     assert torch.equal(_bytes(back)[si[live].long().cpu()], _bytes(host)[si[live].long().cpu()])
 

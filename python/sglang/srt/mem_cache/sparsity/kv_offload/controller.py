@@ -30,8 +30,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     copy_rows,
     copy_rows_all_layers,
     copy_rows_grouped,
+    default_backup_launch_config,
     default_group_launch_config,
-    default_launch_config,
     default_load_launch_config,
     default_prefetch_launch_config,
 )
@@ -109,7 +109,7 @@ class KVOffloadCacheController:
         dev = torch.device(pool.device)
         self.load_config = load_config or default_load_launch_config(dev)
         self.prefetch_load_config = prefetch_load_config or default_prefetch_launch_config(dev)
-        self.backup_config = backup_config or default_launch_config(dev)
+        self.backup_config = backup_config or default_backup_launch_config(dev)
         self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug
         self.tp_world_size = (

@@ -32,6 +32,7 @@ __all__ = [
     "copy_rows_all_layers_ref",
     "copy_rows_grouped",
     "copy_rows_grouped_ref",
+    "default_backup_launch_config",
     "default_group_launch_config",
     "default_launch_config",
     "default_load_launch_config",
@@ -133,6 +134,8 @@ class CopyLaunchConfig:
     word_bytes: Optional[int] = None
 
 
+BACKUP_PROGRAMS = 16
+"""Programs of a device -> host page backup (``default_backup_launch_config``), whatever the SMs."""
 PREFETCH_SMS_PER_PROGRAM = 2
 """One cross-layer prefetch program per this many SMs (``default_prefetch_launch_config``)."""
 PREFETCH_ROWS_PER_PROGRAM = 16
@@ -150,6 +153,21 @@ def default_launch_config(device: Optional[torch.device] = None) -> CopyLaunchCo
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return CopyLaunchConfig(num_programs=4 * _sm_count(idx), rows_per_program=4, num_warps=4)
     return CopyLaunchConfig(num_programs=4, rows_per_program=64, num_warps=4)
+
+
+def default_backup_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
+    """Launch shape of the device -> host page backups, which run beside the decode forward.
+
+    A small fixed grid: the writes are bound by the link, not by SMs, and a backup on the write
+    stream shares the GPU with the forward of every running request. On the H200
+    (``benchmark/kv_offload/probe_sm_partition.py --backups``, one run: contiguous 656 B rows,
+    8 x 49 MB) 16 programs of 4-row tiles wrote 46.8 GB/s against 47.6 for 4 programs per SM,
+    while the decode layer stand-in beside them ran 17-22 % longer instead of 2.6-3.8x
+    (bs 32 and 128). Fewer programs lose bandwidth (8: 34.5 GB/s).
+    """
+    if device is not None and device.type == "cuda":
+        return CopyLaunchConfig(num_programs=BACKUP_PROGRAMS, rows_per_program=4, num_warps=4)
+    return default_launch_config(device)
 
 
 def default_load_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
