@@ -302,7 +302,7 @@ def backups_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst)
         both, (compute_span, backup_span) = timed(
             [compute_s, write_s], [run_compute, work], a.iters
         )
-        entry = dict(
+        entry = dict(  # the backup's times are for all --layers, the compute's per layer
             programs=programs,
             rows_per_program=config.rows_per_program,
             backup_alone_ms=alone,
