@@ -128,8 +128,9 @@ class ClockSampler:
         )
 
 
-def partners_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst, src_idx) -> Dict:
-    """``--partners``: the confined compute alone and beside each partner on the partition."""
+def partners_probe(a: argparse.Namespace, compute, run_compute, host, dst, src_idx) -> Dict:
+    """``--partners``: the confined compute alone and beside each partner on the partition.
+    ``run_compute`` runs ``compute`` over every layer (main's)."""
     from sglang.srt.mem_cache.sparsity.kv_offload import transfer
     from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition
 
@@ -142,10 +143,6 @@ def partners_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst
     dst_idx = torch.arange(a.rows, dtype=torch.int64, device=dev)
     spin_out = torch.empty(part.sms * 4 * 512, dtype=torch.float32, device=dev)
     keep: List = []  # host buffers the partners read, alive until the probe ends
-
-    def run_compute() -> None:
-        for _ in range(a.layers):
-            compute(kv_rows, read_rows)
 
     def copier(
         src, programs: int, repeat: int, indices: List[torch.Tensor] = src_idx, scatter=False
@@ -268,17 +265,13 @@ def partners_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst
     return out
 
 
-def backups_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst) -> Dict:
+def backups_probe(a: argparse.Namespace, run_compute, host, dst) -> Dict:
     """``--backups``: the compute on every SM beside a prompt's backup on an ordinary stream."""
     from sglang.srt.mem_cache.sparsity.kv_offload import transfer
 
     dev = dst.device
     rows = torch.arange(a.rows, dtype=torch.int64, device=dev)  # whole pages, in order
     compute_s, write_s = torch.cuda.Stream(), torch.cuda.Stream()  # priority 0, as the write stream
-
-    def run_compute() -> None:
-        for _ in range(a.layers):
-            compute(kv_rows, read_rows)
 
     def backup(config) -> Callable[[], None]:
         def run() -> None:
@@ -291,11 +284,12 @@ def backups_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst)
     mb = a.rows * FP8_ROW_BYTES / 1e6 * a.layers
     default = transfer.default_backup_launch_config(dev)
     former = transfer.default_launch_config(dev)  # the backups' shape before the backup default
-    shapes = [f"{c.num_programs}:{c.rows_per_program}" for c in (default, former)]
-    shapes += [v if ":" in v else f"{v}:4" for v in a.backup_programs.split(",") if v]
+    shapes = [(c.num_programs, c.rows_per_program) for c in (default, former)]
+    for text in (v for v in a.backup_programs.split(",") if v):
+        programs, _, tile = text.partition(":")
+        shapes.append((int(programs), int(tile or default.rows_per_program)))
     out: Dict = dict(compute_alone_ms=compute_ms / a.layers, backup_mb=mb, backups=[])
-    for shape in dict.fromkeys(shapes):
-        programs, tile = (int(v) for v in shape.split(":"))
+    for programs, tile in dict.fromkeys(shapes):
         config = dataclasses.replace(default, num_programs=programs, rows_per_program=tile)
         work = backup(config)
         alone = timed([write_s], [work], a.iters)[0]
@@ -304,7 +298,7 @@ def backups_probe(a: argparse.Namespace, compute, kv_rows, read_rows, host, dst)
         )
         entry = dict(  # the backup's times are for all --layers, the compute's per layer
             programs=programs,
-            rows_per_program=config.rows_per_program,
+            rows_per_program=tile,
             backup_alone_ms=alone,
             backup_GBps=mb / alone,
             backup_beside_ms=backup_span,
@@ -417,12 +411,12 @@ def main() -> None:
     )
     if a.backups:
         res.pop("modes")
-        res.update(backups_probe(a, compute, kv_rows, read_rows, host, dst))
+        res.update(backups_probe(a, run_compute, host, dst))
         write_results(a.out, res)
         return
     if a.partners:
         res.pop("modes")
-        res.update(partners_probe(a, compute, kv_rows, read_rows, host, dst, src_idx))
+        res.update(partners_probe(a, compute, run_compute, host, dst, src_idx))
         write_results(a.out, res)
         return
 
