@@ -31,7 +31,10 @@ variant, where each layer's time goes (``kernel_timeline.py``: the offload's ker
 layers' compute, and how much longer the compute runs beside the prefetch). ``--gemm persistent``
 runs the stand-in's GEMMs as ``persistent_gemm.py``'s one-program-per-SM kernel instead of cuBLAS's.
 ``--prefetch-oracle`` adds the prefetch guessing the next layer's own top-k, which no server knows
-in advance: the floor of any guess (``oracle_guess_adapter``). ``--prefetch-green-priority0`` adds
+in advance: the floor of any guess (``oracle_guess_adapter``). ``--speculative-indexer`` adds each oracle form
+with the least a speculative indexer would add before it (``spec_indexer.py``: the next layer's
+indexer logits over every request's keys, on the forward stream before each layer's swap-in), which
+no guess near the oracle's can skip. ``--prefetch-green-priority0`` adds
 each partition form with its stream at priority 0 (``SmPartition``'s before it took the highest).
 ``--compute-confined`` adds each partition form with the compute on the other SMs' green context.
 With ``--gemm-carveout``, each ``--prefetch-shapes`` form is timed with the GEMMs told as well.
@@ -71,6 +74,7 @@ from bench_common import (  # noqa: E402
 )
 from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
 from persistent_gemm import fastest, padded, persistent_matmul, tune  # noqa: E402
+from spec_indexer import SpeculativeIndexer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 7168
@@ -432,6 +436,13 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     static_rows = torch.arange(bs * a.topk, device=device).remainder(point.pool.physical_size - 1)
     static_rows = (static_rows + 1).view(bs, a.topk).to(torch.int32)
 
+    # --speculative-indexer: the next layer's indexer logits before each layer's swap-in.
+    spec = None
+    oracle_forms = ["+oracle"]
+    if a.speculative_indexer:
+        spec = SpeculativeIndexer(point.pool, point.r2t.req_to_token, bs, ctx, a.seed)
+        oracle_forms.append("+oracle+specidx")
+
     hisparse = None
     if hisparse_fn is not None:
         hisparse = HiSparseLayers(point, hisparse_fn, a.slots, a.topk)
@@ -460,6 +471,8 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                 rows = hisparse(topk[layer], layer)
                 compute(hisparse.device_rows[layer].view(-1, FP8_ROW_BYTES), rows)
                 continue
+            if "+specidx" in variant and layer + 1 < a.layers:
+                spec(layer + 1)  # forks of the prefetch below are ordered after it
             rows = adapters[variant].swap_in_selected_pages(rpi, seq, topk[layer], layer)
             layer_compute(variant, kv_rows, rows)
 
@@ -477,13 +490,18 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     )
     if compute.shapes:
         out["gemm_shapes"] = compute.shapes
+    if spec is not None:
+        out["speculative_indexer"] = dict(key_mb_per_layer=spec.key_bytes / 1e6)
+        if device.type == "cuda":
+            ms = triton.testing.do_bench(lambda: spec(0))
+            out["speculative_indexer"].update(ms_alone=ms, gb_per_s=spec.key_bytes / ms / 1e6)
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
     adapters = {"offload": point.adapters[False]}
     adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
-    if a.prefetch_oracle:
-        sweep.append("offload+prefetch+oracle")
+    for form in oracle_forms if a.prefetch_oracle else []:
+        sweep.append("offload+prefetch" + form)
         adapters[sweep[-1]] = oracle_guess_adapter(
             topk,
             point.adapters[True].coordinator,
@@ -508,14 +526,14 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
             forms.append((variant + "+serial", True))
         forms += [(f"{variant}+plan{shape}", False) for shape in a.plan_shapes]
         if a.prefetch_oracle:
-            forms.append((variant + "+oracle", False))
+            forms += [(variant + form, False) for form in oracle_forms]
         if a.gemm_carveout:
             # The GEMMs told to leave the partition's SMs (as SGLang's overlap modes size
             # DeepGEMM's), and the compute alone so told, which is what that costs it.
             carved_forms = [variant + "+carveout"]
             carved_forms += [f"{variant}@{shape}+carveout" for shape in a.prefetch_shapes]
             if a.prefetch_oracle:
-                carved_forms.append(variant + "+carveout+oracle")
+                carved_forms += [variant + "+carveout" + form for form in oracle_forms]
             forms += [(name, False) for name in carved_forms]
             carveouts[f"compute+carveout{n}"] = part.sms
             if a.gemm == "cublas":
@@ -698,6 +716,10 @@ def plot(rows: List[Dict], path: Path) -> None:
         ("offload", "kv offload"),
         ("offload+prefetch", "kv offload + prefetch"),
         ("offload+prefetch+oracle", "kv offload + prefetch, oracle guess (floor)"),
+        (
+            "offload+prefetch+oracle+specidx",
+            "kv offload + prefetch, oracle guess + speculative indexer logits",
+        ),
         ("hisparse-0.5.23", "HiSparse 0.5.23"),
     ]
 
@@ -713,7 +735,12 @@ def plot(rows: List[Dict], path: Path) -> None:
         forms = (
             ("+fullplan", "plan on all"),  # recorded before the plan left the partition (e765ffc)
             ("+serial", "next layer waits for all of it"),
+            (
+                "+carveout+oracle+specidx",
+                "GEMMs told to leave those SMs, oracle guess + speculative indexer logits",
+            ),
             ("+carveout+oracle", "GEMMs told to leave those SMs, oracle guess (floor)"),
+            ("+oracle+specidx", "oracle guess + speculative indexer logits"),
             ("+oracle", "oracle guess: the next layer's own top-k (floor)"),
             ("+carveout", "GEMMs told to leave those SMs"),
             # Reverted guesses (14556ee, b3a8c0f); kept to redraw their results.
@@ -830,6 +857,13 @@ def main() -> None:
         "floor of any guess (bench-only; a server cannot know it in advance)",
     )
     p.add_argument(
+        "--speculative-indexer",
+        action="store_true",
+        help="with --prefetch-oracle: also time each oracle form with the next layer's indexer "
+        "logits over every request's keys before each layer's swap-in (spec_indexer.py: the "
+        "least work a speculative indexer, the guess that could approach the oracle's, adds)",
+    )
+    p.add_argument(
         "--prefetch-green-priority0",
         action="store_true",
         help="also time each --prefetch-green-sms form with the partition's stream at CUDA "
@@ -879,6 +913,8 @@ def main() -> None:
     a = p.parse_args()
     if a.gemm == "persistent" and a.device != "cuda":
         p.error("--gemm persistent needs --device cuda (its kernel is timed, not interpreted)")
+    if a.speculative_indexer and not a.prefetch_oracle:
+        p.error("--speculative-indexer times the oracle forms: add --prefetch-oracle")
     if a.plot_only:
         plot(
             json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png")

@@ -100,7 +100,7 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
         sys.executable, str(BENCH_DIR / "bench_exposed.py"),
         "--device", "cpu", "--bs", "2", "--ctx", "512", "--layers", "3", "--topk", "64",
         "--slots", "128", "--warm", "1", "--steps", "2", "--compute-scale", "0.001",
-        "--prefetch-oracle", "--out", str(out),
+        "--prefetch-oracle", "--speculative-indexer", "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -115,6 +115,12 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
     assert oracle["loaded_rows_per_layer"] < prefetch["loaded_rows_per_layer"]
     moved = oracle["loaded_rows_per_layer"] + oracle["prefetched_rows_per_layer"]
     assert moved == pytest.approx(plain["loaded_rows_per_layer"])
+    # The speculative indexer's logits run before each swap-in and change no row moved; they read
+    # every request's index keys (512 tokens x 132 B).
+    spec = row["offload+prefetch+oracle+specidx"]
+    for key in ("loaded_rows_per_layer", "prefetched_rows_per_layer", "hit_rate"):
+        assert spec[key] == oracle[key]
+    assert row["speculative_indexer"]["key_mb_per_layer"] == 2 * 512 * 132 / 1e6
 
 
 def test_layer_budget_replay_matches_the_plan_reference_hit_for_hit():
