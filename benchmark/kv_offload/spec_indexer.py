@@ -13,9 +13,12 @@ so its time is a lower bound on the speculation's.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 INDEX_HEADS = 64  # DeepSeek-V3.2's index_n_heads
 
@@ -33,6 +36,7 @@ def _paged_index_logits_kernel(
     DIM: tl.constexpr,
     HEADS: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     req = tl.program_id(0)
     heads = tl.arange(0, HEADS)
@@ -41,7 +45,8 @@ def _paged_index_logits_kernel(
     q = tl.load(q_ptr + (req * HEADS + heads[:, None]) * DIM + dims[None, :])
     w = tl.load(w_ptr + req * HEADS + heads)
     first = tl.program_id(1) * PAGES_PER_PROGRAM
-    for p in range(first, tl.minimum(first + PAGES_PER_PROGRAM, pages_per_req)):
+    last = tl.minimum(first + PAGES_PER_PROGRAM, pages_per_req)
+    for p in tl.range(first, last, num_stages=STAGES):
         page = tl.load(page_table_ptr + req * pages_per_req + p).to(tl.int64)
         base = cache_ptr + page * (PAGE * (DIM + 4))
         keys = tl.load(base + toks[:, None] * DIM + dims[None, :])
@@ -50,8 +55,9 @@ def _paged_index_logits_kernel(
             keys = keys.to(tl.float8e4nv, bitcast=True)
         else:  # the Triton interpreter: the same maths in fp32
             keys = keys.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scores = tl.dot(q, tl.trans(keys))  # (HEADS, PAGE)
-        logits = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0) * scale
+        # (PAGE, HEADS): the sum over heads stays within each warp's rows.
+        scores = tl.dot(keys, tl.trans(q))
+        logits = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1) * scale
         tl.store(out_ptr + req * pages_per_req * PAGE + p * PAGE + toks, logits)
 
 
@@ -62,6 +68,8 @@ def paged_index_logits(
     page_table: torch.Tensor,
     out: torch.Tensor,
     pages_per_program: int = 8,
+    num_warps: int = 4,
+    stages: int = 1,
 ) -> torch.Tensor:
     """``out[r, t]`` = sum over heads h of ``weights[r, h] * relu(q[r, h] . key) * scale`` for the
     t-th token of request r, whose page is ``page_table[r, t // page]``; one launch, fixed grid."""
@@ -88,6 +96,8 @@ def paged_index_logits(
         DIM=dim,
         HEADS=heads,
         FP8_DOT=fp8,
+        STAGES=stages,
+        num_warps=num_warps,
     )
     return out
 
@@ -127,6 +137,21 @@ class SpeculativeIndexer:
             raise ValueError("requests' tokens are not page-contiguous in req_to_token")
         self.out = torch.empty((bs, pages * pool.page_size), dtype=torch.float32, device=device)
         self.buffers = pool.index_k_with_scale_buffer
+        # The fastest launch on CUDA (a lower bound should not pay for a slow shape).
+        self.launch = dict(pages_per_program=8, num_warps=4)
+        if fp8:
+            self.launch = min(
+                (
+                    dict(pages_per_program=p, num_warps=w, stages=n)
+                    for p, w, n in itertools.product((4, 8, 16), (4, 8), (1, 2, 3))
+                ),
+                key=lambda launch: triton.testing.do_bench(
+                    lambda: paged_index_logits(*self._args(0), **launch)
+                ),
+            )
+
+    def _args(self, layer: int):
+        return self.q, self.weights, self.buffers[layer], self.page_table, self.out
 
     @property
     def key_bytes(self) -> int:
@@ -134,6 +159,4 @@ class SpeculativeIndexer:
         return self.page_table.numel() * self.buffers[0].shape[1]
 
     def __call__(self, layer: int) -> torch.Tensor:
-        return paged_index_logits(
-            self.q, self.weights, self.buffers[layer], self.page_table, self.out
-        )
+        return paged_index_logits(*self._args(layer), **self.launch)
