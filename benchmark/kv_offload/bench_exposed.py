@@ -494,7 +494,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         out["speculative_indexer"] = dict(key_mb_per_layer=spec.key_bytes / 1e6)
         if device.type == "cuda":
             ms = triton.testing.do_bench(lambda: spec(0))
-            out["speculative_indexer"].update(ms_alone=ms, gb_per_s=spec.key_bytes / ms / 1e6)
+            out["speculative_indexer"].update(
+                ms_alone=ms, gb_per_s=spec.key_bytes / ms / 1e6, launch=spec.launch
+            )
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
