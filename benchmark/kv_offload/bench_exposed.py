@@ -245,18 +245,38 @@ def gemm_carveout(sms: Optional[int]):
         torch.backends.cuda.preferred_blas_library(library)
 
 
-def oracle_guess_adapter(topk: torch.Tensor, coordinator, **adapter_args):
+def oracle_guess_adapter(topk: torch.Tensor, coordinator, offset: int = 0, **adapter_args):
     """A bench-only adapter whose prefetch of layer L+1 plans layer L+1's own top-k (the replayed
     trace holds it before that layer's indexer would run) instead of layer L's: it loads exactly
     the next layer's misses, so its exposed time is the floor any guess could reach with this
-    overlap (``--prefetch-oracle``). Not a guess a server could make."""
+    overlap (``--prefetch-oracle``). Not a guess a server could make. With ``offset`` it plans
+    ``topk[offset + L + 1]`` instead: a guess of known accuracy (``mixed_guess``)."""
     from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 
     class OracleGuessAdapter(DSAOffloadAdapter):
         def _prefetch(self, req_pool_indices, guess, layer_id):
-            super()._prefetch(req_pool_indices, topk[layer_id, : guess.shape[0]], layer_id)
+            own = topk[offset + layer_id, : guess.shape[0]]
+            super()._prefetch(req_pool_indices, own, layer_id)
 
     return OracleGuessAdapter(coordinator, **adapter_args)
+
+
+def mixed_guess(trace: torch.Tensor, catch: float, seed: int) -> torch.Tensor:
+    """Per step and layer L+1, a guess of its top-k that keeps a random ``catch`` of its entries
+    and fills the rest with layer L's entries outside it (then -1): what a speculative indexer
+    right on ``catch`` of its selection would prefetch, wrong guesses included (``--oracle-catch``).
+    Rows stay unique; layer 0's guess is its own top-k (no layer guesses it)."""
+    g = torch.Generator(device=trace.device).manual_seed(seed)
+    own, alt = trace[:, 1:], trace[:, :-1]
+    drop = torch.rand(own.shape, generator=g, device=trace.device) >= catch
+    # Layer L's entries outside L+1's first (stable), then the rest as -1.
+    flat_own, flat_alt = own.reshape(-1, own.shape[-1]), alt.reshape(-1, alt.shape[-1])
+    outside = torch.stack([~torch.isin(a, o) for a, o in zip(flat_alt, flat_own)])
+    order = torch.sort((~outside).to(torch.int8), dim=-1, stable=True).indices
+    fill = torch.where(outside.gather(-1, order), flat_alt.gather(-1, order), -1).view(own.shape)
+    rank = drop.to(torch.int64).cumsum(-1) - 1
+    picked = fill.gather(-1, rank.clamp(0, fill.shape[-1] - 1))
+    return torch.cat([trace[:, :1], torch.where(drop, picked, own)], dim=1)
 
 
 def load_hisparse(src: str):
@@ -429,8 +449,12 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     )
     trace = realistic.generate(cfg, device=device)  # (steps, layers, bs, topk) positions
     trace_stats = realistic.measure(trace[:, :, :1])
+    # --oracle-catch: guesses of known accuracy, replayed as more layers of the trace.
+    catches = {f"+guess{round(c * 100)}": c for c in a.oracle_catch}
+    offsets = {form: a.layers * (i + 1) for i, form in enumerate(catches)}
+    trace = torch.cat([trace] + [mixed_guess(trace, c, a.seed) for c in catches.values()], dim=1)
     compute = LayerCompute(bs, a.topk, device, a.compute_scale, a.gemm)
-    topk = torch.full((a.layers, bs, a.topk), -1, dtype=torch.int32, device=device)
+    topk = torch.full(trace.shape[1:], -1, dtype=torch.int32, device=device)
     rpi = torch.arange(bs, dtype=torch.int64, device=device)
     seq = torch.full((bs,), ctx, dtype=torch.int64, device=device)
     static_rows = torch.arange(bs * a.topk, device=device).remainder(point.pool.physical_size - 1)
@@ -442,6 +466,7 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     if a.speculative_indexer:
         spec = SpeculativeIndexer(point.pool, point.r2t.req_to_token, bs, ctx, a.seed)
         oracle_forms.append("+oracle+specidx")
+        oracle_forms += [form + "+specidx" for form in catches]
 
     hisparse = None
     if hisparse_fn is not None:
@@ -502,11 +527,16 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
     sweep = [f"offload+prefetch@{n}" for n in a.prefetch_programs_per_sm]
     adapters = {"offload": point.adapters[False]}
     adapters.update({v: point.adapters[True] for v in ("offload+prefetch", *sweep)})
+
+    def guess_offset(name: str) -> int:
+        return next((offsets[form] for form in offsets if form + "+" in name + "+"), 0)
+
     for form in oracle_forms if a.prefetch_oracle else []:
         sweep.append("offload+prefetch" + form)
         adapters[sweep[-1]] = oracle_guess_adapter(
             topk,
             point.adapters[True].coordinator,
+            guess_offset(form),
             prefetch_stream_priority=a.prefetch_stream_priority,
         )
         adapters[sweep[-1]].num_real_reqs.fill_(bs)
@@ -555,8 +585,10 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
                     carveouts[name] = part.sms
                 if suffix == "+confined":
                     confined[name] = part.rest_stream
-                if "+oracle" in name:
-                    adapters[name] = oracle_guess_adapter(topk, coordinator, prefetch_stream=stream)
+                if "+oracle" in name or "+guess" in name:
+                    adapters[name] = oracle_guess_adapter(
+                        topk, coordinator, guess_offset(name), prefetch_stream=stream
+                    )
                 else:
                     adapters[name] = DSAOffloadAdapter(coordinator, prefetch_stream=stream)
                 adapters[name].num_real_reqs.fill_(bs)
@@ -750,6 +782,9 @@ def plot(rows: List[Dict], path: Path) -> None:
             ("+union", "guess of two layers' top-k"),
         )
         text = next((text for tag, text in forms if tag in key), None)
+        catch = re.search(r"\+guess(\d+)", key)
+        if catch:
+            text = f"guess catching {catch.group(1)} % of the oracle's + speculative indexer logits"
         where = f"prefetch load on {green_sms(key)} SMs"
         if "+prio0" in key:
             where += " at priority 0"
@@ -866,6 +901,14 @@ def main() -> None:
         "least work a speculative indexer, the guess that could approach the oracle's, adds)",
     )
     p.add_argument(
+        "--oracle-catch",
+        type=lambda text: [float(x) for x in text.split(",") if x],
+        default=[],
+        help="with --speculative-indexer: also time the oracle forms with guesses that catch only "
+        "this share of the next layer's top-k, the rest filled from layer L's (mixed_guess), e.g. "
+        "0.9,0.95",
+    )
+    p.add_argument(
         "--prefetch-green-priority0",
         action="store_true",
         help="also time each --prefetch-green-sms form with the partition's stream at CUDA "
@@ -917,6 +960,12 @@ def main() -> None:
         p.error("--gemm persistent needs --device cuda (its kernel is timed, not interpreted)")
     if a.speculative_indexer and not a.prefetch_oracle:
         p.error("--speculative-indexer times the oracle forms: add --prefetch-oracle")
+    if a.oracle_catch and not a.speculative_indexer:
+        p.error(
+            "--oracle-catch times guesses a speculative indexer makes: add --speculative-indexer"
+        )
+    if any(not 0 <= c < 1 for c in a.oracle_catch):
+        p.error(f"--oracle-catch {a.oracle_catch}: shares in [0, 1) (1 is --prefetch-oracle)")
     if a.plot_only:
         plot(
             json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png")

@@ -100,7 +100,7 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
         sys.executable, str(BENCH_DIR / "bench_exposed.py"),
         "--device", "cpu", "--bs", "2", "--ctx", "512", "--layers", "3", "--topk", "64",
         "--slots", "128", "--warm", "1", "--steps", "2", "--compute-scale", "0.001",
-        "--prefetch-oracle", "--speculative-indexer", "--out", str(out),
+        "--prefetch-oracle", "--speculative-indexer", "--oracle-catch", "0.5", "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -121,6 +121,32 @@ def test_bench_exposed_runs_the_real_adapter_with_and_without_prefetch(tmp_path)
     for key in ("loaded_rows_per_layer", "prefetched_rows_per_layer", "hit_rate"):
         assert spec[key] == oracle[key]
     assert row["speculative_indexer"]["key_mb_per_layer"] == 2 * 512 * 132 / 1e6
+    # A guess catching half the next layer's top-k leaves more of it to that layer's own plan.
+    half = row["offload+prefetch+guess50+specidx"]
+    assert half["loaded_rows_per_layer"] > oracle["loaded_rows_per_layer"]
+
+
+def test_mixed_guess_keeps_a_share_of_the_next_layers_top_k_and_fills_from_the_layer_before():
+    """bench_exposed --oracle-catch: each guess row keeps about ``catch`` of its layer's own
+    entries, fills the rest with the previous layer's entries outside them (then -1), and stays
+    unique; layer 0 keeps its own top-k."""
+    from bench_exposed import mixed_guess
+
+    trace = traces.generate(traces.TraceConfig(**SMALL))
+    guess = mixed_guess(trace, 0.8, seed=1)
+    assert guess.shape == trace.shape and torch.equal(guess[:, 0], trace[:, 0])
+    kept = filled = total = 0
+    for t in range(trace.shape[0]):
+        for layer in range(1, trace.shape[1]):
+            for row, own, alt in zip(guess[t, layer], trace[t, layer], trace[t, layer - 1]):
+                got = row[row >= 0].tolist()
+                assert len(got) == len(set(got))
+                own_set, alt_set = set(own.tolist()), set(alt.tolist())
+                kept += len(own_set.intersection(got))
+                filled += sum(1 for x in got if x not in own_set)
+                assert all(x in alt_set for x in got if x not in own_set)
+                total += len(own_set)
+    assert 0.77 < kept / total < 0.83 and filled > 0
 
 
 def test_layer_budget_replay_matches_the_plan_reference_hit_for_hit():
