@@ -785,6 +785,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         catch = re.search(r"\+guess(\d+)", key)
         if catch:
             text = f"guess catching {catch.group(1)} % of the oracle's + speculative indexer logits"
+            if "+carveout" in key:
+                text = "GEMMs told to leave those SMs, " + text
         where = f"prefetch load on {green_sms(key)} SMs"
         if "+prio0" in key:
             where += " at priority 0"
