@@ -7,6 +7,7 @@ results writer.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -46,6 +47,15 @@ def results_json(doc: Any, level: int = 0) -> str:
         if len(flat) <= RESULTS_LINE or not any(isinstance(v, list) for v in doc):
             return flat
     return "[\n" + ",\n".join(inner + results_json(v, level + 1) for v in doc) + f"\n{outer}]"
+
+
+def read_results(path: str) -> Any:
+    """A results file, ``.json`` or gzip'd ``.json.gz`` (the largest committed ones, compressed to
+    keep the work tree small enough to carry to the GPU: ``zcat`` reads them too)."""
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(Path(path).read_text())
 
 
 def write_results(path: str, doc: Any) -> None:

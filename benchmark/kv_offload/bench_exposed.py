@@ -70,6 +70,7 @@ from bench_common import (  # noqa: E402
     PAGE,
     ROPE,
     prepare_environment,
+    read_results,
     results_json,
 )
 from kernel_timeline import Kernel, layer_breakdown, profile_kernels  # noqa: E402
@@ -970,7 +971,8 @@ def main() -> None:
         p.error(f"--oracle-catch {a.oracle_catch}: shares in [0, 1) (1 is --prefetch-oracle)")
     if a.plot_only:
         plot(
-            json.loads(Path(a.plot_only).read_text())["rows"], Path(a.plot_only).with_suffix(".png")
+            read_results(a.plot_only)["rows"],
+            Path(a.plot_only.removesuffix(".gz")).with_suffix(".png"),
         )
         return
     prepare_environment(a.device)

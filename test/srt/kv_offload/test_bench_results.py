@@ -1,12 +1,13 @@
 """benchmark/kv_offload/bench_common.results_json: the committed results' JSON layout."""
 
+import gzip
 import json
 import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH_DIR))
-from bench_common import RESULTS_LINE, results_json  # noqa: E402
+from bench_common import RESULTS_LINE, read_results, results_json  # noqa: E402
 
 
 def test_results_json_round_trips_with_short_lists_on_one_line():
@@ -34,9 +35,23 @@ def test_results_json_round_trips_with_short_lists_on_one_line():
 
 
 def test_committed_results_are_in_that_layout():
-    """Re-dumping a committed results file changes nothing (halves the bytes carried to the GPU)."""
+    """Re-dumping a committed results file changes nothing (halves the bytes carried to the GPU);
+    gzip'd ones hold the same layout, and read_results reads both."""
     files = sorted((BENCH_DIR / "results").glob("*.json"))
-    assert files
-    for path in files:
-        text = path.read_text()
+    zipped = sorted((BENCH_DIR / "results").glob("*.json.gz"))
+    assert files and zipped
+    for path in files + zipped:
+        text = (
+            gzip.decompress(path.read_bytes()).decode()
+            if path.suffix == ".gz"
+            else path.read_text()
+        )
         assert results_json(json.loads(text)) == text, f"{path.name}: run results_json on it"
+        assert read_results(str(path)) == json.loads(text)
+
+
+def test_a_results_file_is_committed_once():
+    """A results file is committed either plain or gzip'd, never both."""
+    results = BENCH_DIR / "results"
+    both = [p.name for p in results.glob("*.json.gz") if p.with_suffix("").exists()]
+    assert not both, f"committed twice (plain and .gz): {both}"
