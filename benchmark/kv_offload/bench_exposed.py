@@ -268,13 +268,15 @@ def mixed_guess(trace: torch.Tensor, catch: float, seed: int) -> torch.Tensor:
     right on ``catch`` of its selection would prefetch, wrong guesses included (``--oracle-catch``).
     Rows stay unique; layer 0's guess is its own top-k (no layer guesses it)."""
     g = torch.Generator(device=trace.device).manual_seed(seed)
-    own, alt = trace[:, 1:], trace[:, :-1]
+    own, alt = trace[:, 1:], trace[:, :-1].contiguous()
     drop = torch.rand(own.shape, generator=g, device=trace.device) >= catch
-    # Layer L's entries outside L+1's first (stable), then the rest as -1.
-    flat_own, flat_alt = own.reshape(-1, own.shape[-1]), alt.reshape(-1, alt.shape[-1])
-    outside = torch.stack([~torch.isin(a, o) for a, o in zip(flat_alt, flat_own)])
+    # Membership of each alt entry in its own row: a search of the sorted row (rows are unique).
+    sorted_own = own.sort(dim=-1).values
+    at = torch.searchsorted(sorted_own, alt).clamp_max(own.shape[-1] - 1)
+    outside = sorted_own.gather(-1, at) != alt
     order = torch.sort((~outside).to(torch.int8), dim=-1, stable=True).indices
-    fill = torch.where(outside.gather(-1, order), flat_alt.gather(-1, order), -1).view(own.shape)
+    # Layer L's entries outside L+1's first (stable), then the rest as -1.
+    fill = torch.where(outside.gather(-1, order), alt.gather(-1, order), -1)
     rank = drop.to(torch.int64).cumsum(-1) - 1
     picked = fill.gather(-1, rank.clamp(0, fill.shape[-1] - 1))
     return torch.cat([trace[:, :1], torch.where(drop, picked, own)], dim=1)
@@ -518,10 +520,9 @@ def run_point(a, bs: int, ctx: int, device: torch.device, hisparse_fn=None) -> D
         out["gemm_shapes"] = compute.shapes
     if spec is not None:
         out["speculative_indexer"] = dict(key_mb_per_layer=spec.key_bytes / 1e6)
-        if device.type == "cuda":
-            ms = triton.testing.do_bench(lambda: spec(0))
+        if spec.ms is not None:  # timed as its launch was picked
             out["speculative_indexer"].update(
-                ms_alone=ms, gb_per_s=spec.key_bytes / ms / 1e6, launch=spec.launch
+                ms_alone=spec.ms, gb_per_s=spec.key_bytes / spec.ms / 1e6, launch=spec.launch
             )
     controller = point.adapters[True].coordinator.controller
     default_prefetch = controller.prefetch_load_config
@@ -855,7 +856,7 @@ def main() -> None:
     )
     p.add_argument(
         "--prefetch-green-sms",
-        type=lambda text: [int(x) for x in text.split(",") if x],
+        type=lambda text: [int(x) for x in comma_list(text)],
         default=[],
         help="also time the prefetch with its load on a green context of this many SMs (CUDA; "
         "its plan on every SM, as prefetch_sms runs it), e.g. 8,16",
@@ -905,7 +906,7 @@ def main() -> None:
     )
     p.add_argument(
         "--oracle-catch",
-        type=lambda text: [float(x) for x in text.split(",") if x],
+        type=lambda text: [float(x) for x in comma_list(text)],
         default=[],
         help="with --speculative-indexer: also time the oracle forms with guesses that catch only "
         "this share of the next layer's top-k, the rest filled from layer L's (mixed_guess), e.g. "
