@@ -34,7 +34,6 @@ Writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -522,7 +521,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     a = p.parse_args(argv)
     if a.plot_only:
-        plot(json.load(open(a.plot_only)), os.path.splitext(a.plot_only)[0] + ".png")
+        plot(
+            ne.read_results(a.plot_only),
+            os.path.splitext(a.plot_only.removesuffix(".gz"))[0] + ".png",
+        )
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ne.prepare_environment("cuda")
