@@ -21,11 +21,19 @@ it hit for hit against ``lru_ref.plan_layer_ref``); it is a policy simulation, s
 CPU and makes no timing claims.
 
     python3 benchmark/kv_offload/bench_layer_budgets.py --out results/bench_layer_budgets.json
+
+The measured split is what ``--kv-offload-config``'s ``layer_slots_per_req`` takes: with
+``--emit-config FILE`` (one trace: one ``--share`` and ``--churn-spread``) the script writes that
+config, ``{"sparse_slots_per_req": --slots, "layer_slots_per_req": [...]}``, for a server whose
+model has ``--layers`` layers. ``--trace-file`` replays recorded top-k instead of a generated trace:
+a ``torch.save``'d int tensor ``(steps, layers, requests, topk)`` of positions (unique per row and
+step, each below ``--ctx``); its shape sets ``--layers``, ``--batch`` and ``--topk``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -126,6 +134,33 @@ def evaluate(trace: torch.Tensor, split: Sequence[int], context: int, first: int
     return int(hits.sum()) / ((steps - first) * layers * batch * topk)
 
 
+def load_trace(a) -> torch.Tensor:
+    """A recorded ``(steps, layers, requests, topk)`` trace; sets ``a.layers/batch/topk`` from it."""
+    trace = torch.load(a.trace_file, map_location="cpu")
+    if not isinstance(trace, torch.Tensor) or trace.dim() != 4 or trace.is_floating_point():
+        raise ValueError(
+            f"--trace-file {a.trace_file}: need an int tensor (steps, layers, requests, topk), got "
+            f"{type(trace).__name__} {getattr(trace, 'shape', '')}"
+        )
+    steps = a.calibrate + a.steps
+    if trace.shape[0] < steps or int(trace.min()) < 0 or int(trace.max()) >= a.ctx:
+        raise ValueError(
+            f"--trace-file {a.trace_file}: {trace.shape[0]} steps with positions in "
+            f"[{int(trace.min())}, {int(trace.max())}]; need >= {steps} steps (--calibrate + "
+            f"--steps) and positions in [0, --ctx {a.ctx})"
+        )
+    _, a.layers, a.batch, a.topk = trace.shape
+    return trace[:steps]
+
+
+def emit_config(path: str, slots: int, split: Sequence[int]) -> Dict:
+    """Write the ``--kv-offload-config`` that runs ``split`` in the server; return it."""
+    config = {"sparse_slots_per_req": slots, "layer_slots_per_req": list(split)}
+    Path(path).write_text(json.dumps(config) + "\n")
+    print(f"wrote {path}: --kv-offload-config '{json.dumps(config)}'", flush=True)
+    return config
+
+
 def run(a) -> Dict:
     cfg = realistic.TraceConfig(
         batch=a.batch,
@@ -139,7 +174,7 @@ def run(a) -> Dict:
         seed=a.seed,
     )
     t0 = time.time()
-    trace = realistic.generate(cfg)
+    trace = load_trace(a) if a.trace_file else realistic.generate(cfg)
     stats = realistic.measure(trace[:, :, :1])
     calib, test = trace[: a.calibrate], trace[a.calibrate :]
     budgets = list(range(a.topk, a.max_slots + 1, a.unit))
@@ -197,6 +232,8 @@ def main() -> None:
         help="adjacent layers' relevance correlation; a comma list runs each (with each spread)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-file", help="recorded top-k to replay instead of a generated trace")
+    p.add_argument("--emit-config", help="write the measured split as a --kv-offload-config")
     p.add_argument(
         "--out", default=os.path.join(os.environ.get("OUT", "."), "bench_layer_budgets.json")
     )
@@ -207,6 +244,8 @@ def main() -> None:
         for share in a.share.split(",")
         for spread in a.churn_spread.split(",")
     ]
+    if (a.emit_config or a.trace_file) and len(grid) > 1:
+        p.error("--emit-config and --trace-file take one trace: one --share and --churn-spread")
     for share, spread in grid:
         point = argparse.Namespace(**{**vars(a), "churn_spread": spread, "share": share})
         del point.out
@@ -224,6 +263,8 @@ def main() -> None:
             flush=True,
         )
     write_results(a.out, dict(rows=rows))
+    if a.emit_config:
+        emit_config(a.emit_config, a.slots, rows[0]["split_measured"])
 
 
 if __name__ == "__main__":

@@ -228,6 +228,38 @@ def test_bench_layer_budgets_runs_and_reports_its_trace(tmp_path):
         assert curve[-1] > curve[0]  # twice the slots hold more of the returns
 
 
+def test_bench_layer_budgets_emits_a_server_config_from_a_recorded_trace(tmp_path):
+    """``--trace-file`` replays a recorded (steps, layers, requests, topk) trace and
+    ``--emit-config`` writes its measured split as a --kv-offload-config the server accepts."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig
+
+    cfg = traces.TraceConfig(
+        batch=1, context=4096, topk=256, layers=4, steps=12, churn=0.4, churn_spread=1.0,
+        share=0.5, seed=3,
+    )  # fmt: skip
+    torch.save(traces.generate(cfg), tmp_path / "trace.pt")
+    emitted = tmp_path / "config.json"
+    base = [
+        sys.executable, str(BENCH_DIR / "bench_layer_budgets.py"), "--ctx", "4096",
+        "--slots", "512", "--max-slots", "1024", "--unit", "128", "--calibrate", "6",
+        "--steps", "6", "--warm", "2", "--out", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    cmd = base + ["--trace-file", str(tmp_path / "trace.pt"), "--emit-config", str(emitted)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
+    assert (row["args"]["layers"], row["args"]["topk"]) == (4, 256)  # from the trace's shape
+    config = KVOffloadConfig.from_json(emitted.read_text())
+    config.check(index_topk=256)
+    assert list(config.layer_slots(4)) == row["split_measured"]
+    assert sum(row["split_measured"]) <= 4 * 512 and config.sparse_slots_per_req == 512
+    torch.save(torch.zeros((3, 4, 1, 256), dtype=torch.int32), tmp_path / "short.pt")
+    res = subprocess.run(
+        base + ["--trace-file", str(tmp_path / "short.pt")], capture_output=True, text=True
+    )
+    assert res.returncode != 0 and "need >= 12 steps" in res.stderr
+
+
 def test_guess_simulation_counts_what_the_next_layer_uses():
     """``sim_prefetch_guess.simulate``: with identical layers the previous layer's top-k is a
     perfect guess (every prefetched row used, only layer 0 loads on the critical path); with

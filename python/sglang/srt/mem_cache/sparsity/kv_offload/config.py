@@ -346,6 +346,7 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "model."
         )
     config.check(index_topk=get_dsa_index_topk(hf_config))
+    config.layer_slots(hf_config.num_hidden_layers)  # one budget per layer, if budgets are given
     kpool = get_dsa_index_kpool(hf_config)
     if kpool != 1:
         _reject(

@@ -137,9 +137,10 @@ class KVOffloadCoordinator:
     # ------------------------------------------------------------------ admission control
     @property
     def rows_promised(self) -> int:
-        """Physical rows a request may come to hold: its most sparse slots + 2 tail pages (the
-        unit the physical pool is sized in)."""
-        return self.sparse_cache.max_slots + 2 * self.page_size
+        """Shared physical rows a request may come to hold: its most shared sparse slots + 2 tail
+        pages (the unit the physical pool is sized in; per-layer budgets' own rows are sized for
+        every running request apart)."""
+        return self.sparse_cache.base_slots + 2 * self.page_size
 
     def unreserved_physical_rows(self) -> int:
         """Free physical rows minus what live requests are promised and do not hold as slots yet.

@@ -189,10 +189,6 @@ class SparseCacheState:
             self.num_slots[g],
         )
 
-    def extra_free_counts(self) -> Dict[str, int]:
-        """Free rows of each budget group's own rows (empty with one budget)."""
-        return {f"layer_rows_{n}": a.available_size() for n, a in self.extra_allocators.items()}
-
     # --------------------------------------------------------------- lifecycle
     def _take_rows(self, old: int, new: int) -> Optional[List[Optional[torch.Tensor]]]:
         """Rows that take a request from ``old`` to ``new`` granted slots, per group (the base
