@@ -154,7 +154,22 @@ class KVOffloadCoordinator:
     def can_reserve(self, staging_rows: int) -> bool:
         """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
         its rows without touching rows promised to live requests."""
-        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised
+        return (
+            self.unreserved_physical_rows() >= staging_rows + self.rows_promised
+            and self.own_rows_unreserved(1)
+        )
+
+    def own_rows_unreserved(self, new_requests: int) -> bool:
+        """Whether ``new_requests`` more requests can be promised every budget group's own rows
+        (per-layer slot budgets; always true with one budget) beside what live requests are
+        promised and do not hold yet."""
+        sparse = self.sparse_cache
+        for budget, rows in sparse.extra_allocators.items():
+            full = budget - sparse.base_slots
+            owed = sum(full - sparse.own_rows_held(r, budget) for r in self.reservations)
+            if rows.available_size() - owed < new_requests * full:
+                return False
+        return True
 
     def reserve(self, req_pool_idx: int) -> None:
         """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""

@@ -272,13 +272,15 @@ def init_offload(runner) -> None:
 
 
 def _describe_budgets(layer_slots: Sequence[int], layer_extra_rows: Sequence[int]) -> str:
-    """``4096`` with one budget; else each budget's layer count and own rows per layer."""
+    """``4096`` with one budget; else each budget's layer count and its own rows per layer."""
     budgets = sorted(set(layer_slots))
     if len(budgets) == 1:
         return str(budgets[0])
     own = dict(zip(layer_slots, layer_extra_rows))
     return ", ".join(
-        f"{n} in {layer_slots.count(n)} layers (+{own[n]} own rows each)" for n in budgets
+        f"{n} in {layer_slots.count(n)} layers"
+        + (f" (+{own[n]} own rows each)" if own[n] else " (shared rows)")
+        for n in budgets
     )
 
 
@@ -338,15 +340,19 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator = self.coordinator
         page = coordinator.page_size
 
+        def promised(r) -> bool:
+            r_idx = r.kv.req_pool_idx
+            return r_idx is not None and r_idx in coordinator.reservations
+
         def rows(r) -> int:
             # The whole rest of its prompt: chunks stay in GPU rows until the request decodes.
             staging = -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page
-            r_idx = r.kv.req_pool_idx
-            promised = r_idx is not None and r_idx in coordinator.reservations
-            return staging + (0 if promised else coordinator.rows_promised)
+            return staging + (0 if promised(r) else coordinator.rows_promised)
 
-        need = rows(req) + sum(rows(r) for r in scheduled)
-        if coordinator.unreserved_physical_rows() >= need:
+        reqs = [req, *scheduled]
+        need = sum(rows(r) for r in reqs)
+        new = sum(not promised(r) for r in reqs)
+        if coordinator.unreserved_physical_rows() >= need and coordinator.own_rows_unreserved(new):
             return True
         coordinator.stats["prefill_waits"] += 1
         return False

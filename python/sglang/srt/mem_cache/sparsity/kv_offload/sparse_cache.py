@@ -179,6 +179,11 @@ class SparseCacheState:
             for n in self.group_slots[1:]
         )
 
+    def own_rows_held(self, req_pool_idx: int, budget: int) -> int:
+        """Rows of budget group ``budget``'s own pool that the request holds."""
+        granted = self._granted[int(req_pool_idx)]
+        return min(budget, granted) - min(self.base_slots, granted)
+
     def layer(self, layer_id: int) -> LayerState:
         g = self.layer_group[layer_id]
         return LayerState(
