@@ -283,6 +283,20 @@ def test_random_lifecycles_with_per_layer_budgets(data):
     h.finish_all()
 
 
+def test_admit_from_host_with_per_layer_budgets():
+    """PD direct to host with per-layer budgets: admission from the host takes layer 1's own
+    rows beside the shared ones; every layer reads the request's bytes; all comes back."""
+    h = Harness(physical_pages=24, buffer_slots=[64, 192], own_pages={192: 6})
+    reqs = [h.admit_from_host(n) for n in (65, 130, 200)]
+    own = h.alloc.free_counts()["layer_rows_192"]
+    assert own == 6 * P - (64 + 128 + 128)  # granted 128 / 192 / 192 slots: 64 shared each
+    draw = _seeded_draw(3)
+    for _ in range(30):
+        h.step(reqs, draw)
+        h.coord.drain()
+    h.finish_all()
+
+
 def test_own_rows_gate_admission_like_shared_rows():
     """A budget group's own rows are promised per live request like the shared rows: when they
     are spoken for, a new request is not promised (it waits), and a release frees the promise."""
