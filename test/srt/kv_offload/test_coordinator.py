@@ -244,12 +244,16 @@ def _topk_drawer(data):
 )
 @given(st.data())
 def test_random_lifecycles_resolve_rows_and_leak_nothing(data):
-    h = Harness()
+    _random_lifecycle(Harness(), data, max_prompt=200)
+
+
+def _random_lifecycle(h: Harness, data, max_prompt: int) -> None:
+    """Admit / decode / finish / abort drawn at random; every step's rows checked; no leak."""
     draw_topk = _topk_drawer(data)
     for _ in range(data.draw(st.integers(4, 10), label="steps")):
         op = data.draw(st.sampled_from(["admit", "step", "step", "finish", "abort"]), label="op")
         if op == "admit":
-            h.admit(data.draw(st.integers(1, 200), label="prompt"))
+            h.admit(data.draw(st.integers(1, max_prompt), label="prompt"))
         elif op in ("finish", "abort") and h.kv:
             h.retire(data.draw(st.sampled_from(sorted(h.kv)), label="victim"))
         elif h.kv:
@@ -270,17 +274,7 @@ def test_random_lifecycles_with_per_layer_budgets(data):
     rows come back with the rest."""
     h = Harness(physical_pages=14, buffer_slots=[64, 192], own_pages={192: 8})
     assert h.pool.device_row_view(1).shape[0] == h.pool.device_row_view(0).shape[0] + 8 * P
-    draw_topk = _topk_drawer(data)
-    for _ in range(data.draw(st.integers(4, 10), label="steps")):
-        op = data.draw(st.sampled_from(["admit", "step", "step", "finish", "abort"]), label="op")
-        if op == "admit":
-            h.admit(data.draw(st.integers(1, 300), label="prompt"))
-        elif op in ("finish", "abort") and h.kv:
-            h.retire(data.draw(st.sampled_from(sorted(h.kv)), label="victim"))
-        elif h.kv:
-            h.step(sorted(h.kv), draw_topk)
-        h.coord.poll()
-    h.finish_all()
+    _random_lifecycle(h, data, max_prompt=300)
 
 
 def test_admit_from_host_with_per_layer_budgets():

@@ -94,48 +94,36 @@ def test_kernel_equals_reference_on_random_traces(
     )
 
 
-def test_kernel_trace_exercises_every_path():
-    plan = lockstep(6, 32, 64, compact=True)
+@pytest.mark.parametrize(
+    "layers, budgets",
+    [
+        (2, 64),
+        # Layers of three budgets: each plans into its own group's rows, and a request's slots
+        # grow through the shared rows into its group's own.
+        (4, [128, 64, 192, 64]),
+    ],
+)
+def test_kernel_trace_exercises_every_path(layers, budgets):
+    plan = lockstep(6, 32, 64 if isinstance(budgets, int) else max(budgets), compact=True)
     total = None
     for seed in range(3):
         w = run_trace(
             seed,
             plan,
             steps=5,
+            num_layers=layers,
             topk=32,
-            buffer_slots=64,
+            buffer_slots=budgets,
             max_ctx=300,
             compact=True,
             graph_bs=6,
-            pool_pages=14,
-        )
-        total = w.stats if total is None else total + w.stats
-    for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows"):
-        assert total[what] > 0, (what, total)
-
-
-def test_kernel_equals_reference_with_per_layer_budgets():
-    """Layers of three budgets (64, 128, 192 slots): each plans into its own group's rows, and a
-    request's slots grow through the shared base rows into its group's own."""
-    plan = lockstep(4, 32, 192, compact=True)
-    total = None
-    for seed in range(3):
-        w = run_trace(
-            seed,
-            plan,
-            steps=6,
-            num_layers=4,
-            topk=32,
-            buffer_slots=[128, 64, 192, 64],
-            max_ctx=300,
-            compact=True,
             pool_pages=14,
         )
         for r in list(w.reqs):
             w.release(r)
         assert w.free_counts() == w.free_at_start
         total = w.stats if total is None else total + w.stats
-    for what in ("hits", "misses", "evictions"):
+    for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows"):
         assert total[what] > 0, (what, total)
 
 
