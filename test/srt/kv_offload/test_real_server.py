@@ -299,7 +299,13 @@ def test_metrics_on_the_prometheus_endpoint(main_pair):
 # its top-k, so it reloads nearly all of it every step; layer 1 holds its 128 slots past the shared
 # 64 in rows of its own).
 LAYER_SLOTS = [TOPK, 2 * SLOTS - TOPK]
-ON_LAYERS = COMMON + context(CONTEXT) + SMALL_GPU + offload(layer_slots_per_req=LAYER_SLOTS)
+ON_LAYERS = (
+    COMMON
+    + context(CONTEXT)
+    + SMALL_GPU
+    + offload(layer_slots_per_req=LAYER_SLOTS)
+    + ["--enable-metrics"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +337,13 @@ def test_per_layer_slot_budgets(main_pair, layer_budget_server):
     assert after["free"][own] == start["initial_free"][own]
     assert after["loaded"] > 0.3 * after["selected"], after
     assert after["error_flags"] == 0
+    # The operator's gauge of the own rows, idle: all free (refreshed once a second).
+    deadline = time.time() + 60
+    while metric(requests.get(on.url + "/metrics", timeout=30).text, "layer_rows_free") != float(
+        after["free"][own]
+    ):
+        assert time.time() < deadline, "layer_rows_free never showed the idle own rows"
+        time.sleep(1)
 
 
 def test_token_budget_with_the_same_gpu_budget(main_pair):
