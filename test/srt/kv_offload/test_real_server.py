@@ -326,9 +326,8 @@ def test_per_layer_slot_budgets(main_pair, layer_budget_server):
     # RUNNING requests x the 128 slots layer 1 holds past the shared 64.
     assert start["initial_free"][own] == RUNNING * (LAYER_SLOTS[1] - LAYER_SLOTS[0])
     assert on.server_info()["max_total_num_tokens"] == expected_offload_token_budget(4096)
-    assert (
-        "sparse slots per request: 64 in 1 layers (+0 own rows each), 192 in 1 layers" in on.log()
-    )
+    described = "64 in 1 layers (shared rows), 192 in 1 layers (+1024 own rows each)"
+    assert f"sparse slots per request: {described}" in on.log()
     prompts = [prompt(n, seed) for seed, n in enumerate([90, 300, 520, 760])]
     assert_same_batch(off, on, prompts, 16)
     prompts = [prompt(n, 100 + n) for n in (640, 900)]
