@@ -23,7 +23,7 @@ def _state(pages=8, layers=2, reqs=4, buffer=128, topk=32, locs=1024):
 def _snapshot(s: SparseCacheState):
     return [
         t.clone() for t in (s.loc_to_slot, s.slot_loc, s.lru, s.out_cache_loc_sparse, s.num_slots)
-    ] + [list(s.num_slots_cpu), list(s._granted), s.allocator.available_size()]
+    ] + [list(s.granted_cpu), s.allocator.available_size()]
 
 
 def _same(a, b) -> bool:
@@ -44,13 +44,13 @@ def test_elastic_slot_counts():
     ]
     start = alloc.available_size()
     assert s.admit(0, 70)
-    assert s.num_slots_cpu[0] == 128 and alloc.available_size() == start - 128
+    assert s.shared_slots_held(0) == 128 and alloc.available_size() == start - 128
     rows = s.out_cache_loc_sparse[0, 0, :128]
     assert bool((rows % 64 == torch.arange(128) % 64).all())  # whole pages
     assert bool((s.out_cache_loc_sparse[0, 0, 128:] == -1).all())
-    assert s.grow(0, 100) and s.num_slots_cpu[0] == 128  # no-op
-    assert s.grow(0, 129) and s.num_slots_cpu[0] == 192
-    assert s.grow(0, 5000) and s.num_slots_cpu[0] == 192  # capped at the buffer
+    assert s.grow(0, 100) and s.shared_slots_held(0) == 128  # no-op
+    assert s.grow(0, 129) and s.shared_slots_held(0) == 192
+    assert s.grow(0, 5000) and s.shared_slots_held(0) == 192  # capped at the buffer
     s.check_invariants()
     assert s.release(0) == 192 and alloc.available_size() == start
 
@@ -149,19 +149,19 @@ def test_random_lifecycle_conserves_slots(ops):
     for op, r, ctx in ops:
         before = _snapshot(s)
         if op == "admit":
-            if s.num_slots_cpu[r]:
+            if s.shared_slots_held(r):
                 with pytest.raises(RuntimeError):
                     s.admit(r, ctx)
             elif not s.admit(r, ctx):
                 assert _same(before, _snapshot(s)) and alloc.available_size() < s.slots_for(ctx)
         elif op == "grow":
-            if s.num_slots_cpu[r] and not s.grow(r, ctx):
+            if s.shared_slots_held(r) and not s.grow(r, ctx):
                 assert _same(before, _snapshot(s))
         else:
             s.release(r)
-        owned = sum(s.num_slots_cpu)
+        owned = s.shared_slots_total()
         assert alloc.available_size() + owned == start
-        rows = torch.cat([s.out_cache_loc_sparse[0, q, : s.num_slots_cpu[q]] for q in range(4)])
+        rows = torch.cat([s.out_cache_loc_sparse[0, q, : s.shared_slots_held(q)] for q in range(4)])
         assert rows.numel() == torch.unique(rows).numel(), "a row granted twice"
         s.check_invariants()
     for r in range(4):
@@ -187,7 +187,7 @@ def test_per_layer_budgets_grow_through_base_rows_into_own_rows():
     assert s.admit(0, 10) and s.num_slots[:, 0].tolist() == [64, 64, 64]
     base = s.out_cache_loc_sparse[0, 0, :64].clone()
     assert s.grow(0, 150)  # 192 granted: 64 base rows, then 64 / 128 rows of each group's own
-    assert s.num_slots[:, 0].tolist() == [64, 128, 192] and s.num_slots_cpu[0] == 64
+    assert s.num_slots[:, 0].tolist() == [64, 128, 192] and s.shared_slots_held(0) == 64
     assert alloc.available_size() == start[0] - 64
     assert extra[128].available_size() == start[1][128] - 64
     assert extra[192].available_size() == start[1][192] - 128

@@ -147,8 +147,8 @@ class KVOffloadCoordinator:
 
         Conservative: tail rows a request holds are not subtracted from its promise.
         """
-        held = self.sparse_cache.num_slots_cpu
-        owed = sum(max(0, self.rows_promised - int(held[r])) for r in self.reservations)
+        held = self.sparse_cache.shared_slots_held
+        owed = sum(max(0, self.rows_promised - held(r)) for r in self.reservations)
         return self.allocator.physical_available_size() - owed
 
     def can_reserve(self, staging_rows: int) -> bool:
@@ -440,7 +440,7 @@ class KVOffloadCoordinator:
             "host_pending_free": self.allocator.host_pending_free,
             "requests": len(self.requests),
             "promised": len(self.reservations),
-            "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
+            "sparse_slots_held": self.sparse_cache.shared_slots_total(),
             "backups_in_flight": len(self.controller.inflight),
             "host_pool": self.controller.host_pool_info(),
             "decode_steps": self.decode_steps,

@@ -104,9 +104,8 @@ def split_gpu_budget(
 
     Physical rows cost ``row_bytes * num_layers`` each, and ``layer_rows`` rows of single layers
     (per-layer slot budgets' own rows, summed over layers) ``row_bytes`` each; every remaining
-    byte goes to logical tokens
-    at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
-    the host: index keys plus LRU state). Both counts are page aligned. Upstream
+    byte goes to logical tokens at ``index_row_bytes * num_layers`` each (what is really allocated
+    per token once the KV is on the host: index keys plus LRU state). Both counts are page aligned. Upstream
     ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token, which overstates
     an offloaded token's cost by ~6x.
     """
@@ -120,9 +119,10 @@ def split_gpu_budget(
     if logical < page_size:
         raise ValueError(
             f"kv_offload GPU budget of {budget_bytes / 1e9:.3f} GB is too small: {physical_slots} "
-            f"physical KV slots (+ {layer_rows} rows of single layers) take {kv_bytes / 1e9:.3f} GB "
-            f"({row_bytes} B x {num_layers} layers each), leaving no room for a page of index keys ({per_logical} B/token). Lower the "
-            "sparse slots per request or max_running_requests, or raise --mem-fraction-static"
+            f"physical KV slots ({row_bytes} B x {num_layers} layers each) and {layer_rows} rows "
+            f"of single layers take {kv_bytes / 1e9:.3f} GB, leaving no room for a page of index "
+            f"keys ({per_logical} B/token). Lower the sparse slots per request or "
+            "max_running_requests, or raise --mem-fraction-static"
         )
     return OffloadPoolSizing(
         logical_tokens=logical,

@@ -152,11 +152,9 @@ class SparseCacheState:
             )
             for g in range(groups)
         ]
-        # Host mirrors: admission decisions must not sync with the device. ``num_slots_cpu`` is
-        # the base slots (shared-pool rows) a request holds, ``_granted`` its slots in the largest
-        # budget's layers (each group holds ``min(budget, granted)``).
-        self.num_slots_cpu: List[int] = [0] * max_reqs
-        self._granted: List[int] = [0] * max_reqs
+        # Host mirror: admission decisions must not sync with the device. A request's slots in
+        # the largest budget's layers; each group holds ``min(budget, granted)`` of them.
+        self.granted_cpu: List[int] = [0] * max_reqs
 
     # ------------------------------------------------------------------ sizing
     def slots_for(self, context_len: int) -> int:
@@ -171,18 +169,36 @@ class SparseCacheState:
         """Slots each budget group holds for a request granted ``granted`` slots."""
         return [min(n, granted) for n in self.group_slots]
 
+    def _rows_needed(self, old: int, new: int) -> List[int]:
+        """Rows each group's pool grants to take a request from ``old`` to ``new`` granted slots:
+        shared rows for group 0, the group's own for the others (after the shared ones)."""
+        base_old, base_new = min(self.base_slots, old), min(self.base_slots, new)
+        return [base_new - base_old] + [
+            min(n, new) - max(min(n, old), base_new) for n in self.group_slots[1:]
+        ]
+
+    def _group_pool(self, g: int) -> Tuple[SlotAllocator, int]:
+        """Group ``g``'s row allocator and the offset of its rows in the layers' KV buffers."""
+        if g == 0:
+            return self.allocator, 0
+        return self.extra_allocators[self.group_slots[g]], self.extra_row_offset
+
     def can_admit(self, context_len: int) -> bool:
-        granted = self._granted_for(context_len)
-        base = min(self.base_slots, granted)
-        return self.allocator.available_size() >= base and all(
-            self.extra_allocators[n].available_size() >= min(n, granted) - base
-            for n in self.group_slots[1:]
-        )
+        need = self._rows_needed(0, self._granted_for(context_len))
+        return all(self._group_pool(g)[0].available_size() >= n for g, n in enumerate(need))
+
+    def shared_slots_held(self, req_pool_idx: int) -> int:
+        """Slots the request holds in the shared pool's rows (its base slots)."""
+        return min(self.base_slots, self.granted_cpu[int(req_pool_idx)])
+
+    def shared_slots_total(self) -> int:
+        """Slots all requests hold in the shared pool's rows."""
+        return sum(min(self.base_slots, granted) for granted in self.granted_cpu)
 
     def own_rows_held(self, req_pool_idx: int, budget: int) -> int:
         """Rows of budget group ``budget``'s own pool that the request holds."""
-        granted = self._granted[int(req_pool_idx)]
-        return min(budget, granted) - min(self.base_slots, granted)
+        held = self._rows_needed(0, self.granted_cpu[int(req_pool_idx)])
+        return held[self.group_slots.index(budget)]
 
     def layer(self, layer_id: int) -> LayerState:
         g = self.layer_group[layer_id]
@@ -199,19 +215,16 @@ class SparseCacheState:
         """Rows that take a request from ``old`` to ``new`` granted slots, per group (the base
         rows for group 0, the group's own for the others); None, with nothing taken, if a pool
         is short."""
-        base_old, base_new = min(self.base_slots, old), min(self.base_slots, new)
         taken: List[Optional[torch.Tensor]] = []
-        for g, n in enumerate(self.group_slots):
-            need = base_new - base_old if g == 0 else min(n, new) - max(min(n, old), base_new)
+        for g, need in enumerate(self._rows_needed(old, new)):
             rows = None
             if need > 0:
-                alloc = self.allocator if g == 0 else self.extra_allocators[n]
+                alloc, offset = self._group_pool(g)
                 rows = alloc.alloc(need)
                 if rows is None:
                     self._give_back(taken)
                     return None
-                if g:
-                    rows = rows + self.extra_row_offset
+                rows = rows + offset
             taken.append(rows)
         return taken
 
@@ -219,12 +232,9 @@ class SparseCacheState:
         for g, rows in enumerate(per_group):
             if rows is None or rows.numel() == 0:
                 continue
-            if g == 0:
-                alloc = self.allocator
-            else:
-                alloc = self.extra_allocators[self.group_slots[g]]
-                rows = rows - self.extra_row_offset
-            alloc.free_page_ids(rows.to(torch.int64)[::PAGE_SIZE] // PAGE_SIZE)
+            alloc, offset = self._group_pool(g)
+            pages = (rows.to(torch.int64) - offset)[::PAGE_SIZE] // PAGE_SIZE
+            alloc.free_page_ids(pages)
 
     def _place(self, r: int, old: int, new: int, taken: List[Optional[torch.Tensor]]) -> None:
         """Write the rows of slots ``[old, new)`` (per group) and put them at the LRU end."""
@@ -256,10 +266,8 @@ class SparseCacheState:
             RuntimeError: the request already owns slots (admission is exactly-once).
         """
         r = int(req_pool_idx)
-        if self._granted[r] != 0:
-            raise RuntimeError(
-                f"req_pool_idx {r} already owns {self.num_slots_cpu[r]} sparse slots"
-            )
+        if self.granted_cpu[r] != 0:
+            raise RuntimeError(f"req_pool_idx {r} already owns {self.granted_cpu[r]} sparse slots")
         granted = self._granted_for(context_len)
         taken = self._take_rows(0, granted)
         if taken is None:
@@ -270,8 +278,7 @@ class SparseCacheState:
             )
             return False
         self._place(r, 0, granted, taken)
-        self.num_slots_cpu[r] = min(self.base_slots, granted)
-        self._granted[r] = granted
+        self.granted_cpu[r] = granted
         return True
 
     def grow(self, req_pool_idx: int, new_context_len: int) -> bool:
@@ -282,7 +289,7 @@ class SparseCacheState:
         caller must then retract the request or accept slot overflow (see ``plan_layer``).
         """
         r = int(req_pool_idx)
-        old = self._granted[r]
+        old = self.granted_cpu[r]
         if old == 0:
             raise RuntimeError(f"req_pool_idx {r} owns no sparse slots; admit it first")
         new = self._granted_for(new_context_len)
@@ -292,8 +299,7 @@ class SparseCacheState:
         if taken is None:
             return False
         self._place(r, old, new, taken)
-        self.num_slots_cpu[r] = min(self.base_slots, new)
-        self._granted[r] = new
+        self.granted_cpu[r] = new
         return True
 
     def mark_resident(self, req_pool_idx: int, locs: torch.Tensor) -> torch.Tensor:
@@ -304,13 +310,13 @@ class SparseCacheState:
         the same in every layer). Those tokens start as most recent; the remaining slots stay empty.
         """
         r = int(req_pool_idx)
-        n = self.num_slots_cpu[r]
+        n = self.shared_slots_held(r)
         m = int(locs.numel())
         if m > n:
             raise ValueError(f"{m} resident tokens do not fit in {n} slots")
         if m == 0:
             return self.out_cache_loc_sparse[0, r, :0]
-        granted = self._granted[r]
+        granted = self.granted_cpu[r]
         if bool((self.slot_loc[:, r, :granted] >= 0).any()):
             raise RuntimeError("mark_resident needs a request whose slots are all empty")
         locs = locs.to(device=self.device, dtype=torch.int64)
@@ -331,10 +337,10 @@ class SparseCacheState:
         Idempotent: a second call (e.g. abort after finish) frees nothing, so no row is freed twice.
         """
         r = int(req_pool_idx)
-        granted = self._granted[r]
+        granted = self.granted_cpu[r]
         if granted == 0:
             return 0
-        n = self.num_slots_cpu[r]
+        n = self.shared_slots_held(r)
         locs = self.slot_loc[:, r, :granted].long()
         # Empty slots hold -1; they clear the padding entry (the last, always -1) instead of being
         # masked out, and index_fill_ takes no host value: no device sync.
@@ -350,8 +356,7 @@ class SparseCacheState:
         self._give_back([ocls[0, :n]] + [ocls[g, n : held[g]] for g in range(1, len(held))])
         ocls[:, :granted] = -1
         self.num_slots[:, r] = 0
-        self.num_slots_cpu[r] = 0
-        self._granted[r] = 0
+        self.granted_cpu[r] = 0
         return n
 
     # ------------------------------------------------------------ bookkeeping
@@ -390,10 +395,9 @@ class SparseCacheState:
         """Slow full check of the state (tests and debugging); raises AssertionError."""
         L = self.num_layers
         for r in range(self.max_reqs):
-            granted = self._granted[r]
+            granted = self.granted_cpu[r]
             held = self.group_slots_for(granted)
             assert self.num_slots[:, r].tolist() == held, f"num_slots mirror differs for req {r}"
-            assert self.num_slots_cpu[r] == held[0], f"base slot mirror differs for req {r}"
             if granted == 0:
                 assert bool((self.slot_loc[:, r] == -1).all()), f"free req {r} has resident slots"
                 continue
@@ -419,7 +423,7 @@ class SparseCacheState:
             sl = self.slot_loc[layer]
             owners = []
             for r in range(self.max_reqs):
-                n = self.group_slots_for(self._granted[r])[self.layer_group[layer]]
+                n = self.group_slots_for(self.granted_cpu[r])[self.layer_group[layer]]
                 if n:
                     held = sl[r, :n]
                     idx = torch.nonzero(held >= 0).flatten()
