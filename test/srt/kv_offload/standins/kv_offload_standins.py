@@ -52,6 +52,9 @@ S12   CPU: ``Indexer._get_topk_ragged`` asserts a CUDA       the same method, de
 S13   CPU:                                                   ``False``: a PD prefill server takes
       ``MooncakeKVSender.supports_host_tensor_indices``      upstream's synchronous page-index path
       (pinned page indices + a CUDA event per chunk)
+S14   CPU: ``Indexer._get_mqa_logits_budget_bytes`` (a     a budget of the host's memory, same
+      big prefill batch's logits budget) reads the CUDA      fraction
+      device's total memory
 G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``   upstream's own ``RMSNorm.forward_native``
       (``RMSNorm.forward_cuda``)
 G2    CUDA: JIT                                              upstream's own
@@ -113,6 +116,7 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import math
+import os
 import sys
 from typing import Callable, Dict, Optional, Tuple
 
@@ -124,6 +128,18 @@ INDEX_PAGE_TOKENS = 64
 INDEX_HEAD_DIM = 128
 # Largest intermediate (elements) a reference materialises at once; larger products go in row chunks.
 CHUNK_ELEMENTS = 1 << 28
+
+
+def _fast() -> bool:
+    """``KV_OFFLOAD_STANDINS_FAST=1`` (throughput benchmarks only): the logits and the attention in
+    bf16 with fp32 softmax instead of float64, and the S7 weights drawn on the GPU. Tokens then
+    depend on the batch shape, so the token-equality tests never set it."""
+    return os.environ.get("KV_OFFLOAD_STANDINS_FAST") == "1"
+
+
+def _cdt() -> torch.dtype:
+    """The compute dtype of the logits and attention references."""
+    return torch.bfloat16 if _fast() else torch.float64
 
 
 def _row_chunks(rows: int, elements_per_row: int):
@@ -194,12 +210,13 @@ def fp8_mqa_logits(
 ) -> torch.Tensor:
     """Ragged logits ``[M, N]``: ``sum_h relu(q[m,h] . k[n] * s[n]) * w[m,h]`` for ks <= n < ke."""
     k_fp8, k_scale = kv
-    k = k_fp8.double() * k_scale.double().reshape(-1, 1)
+    cdt = _cdt()
+    k = (k_fp8.double() * k_scale.double().reshape(-1, 1)).to(cdt)
     n = torch.arange(k.shape[0], device=q.device)
     out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
     for rows in _row_chunks(q.shape[0], q.shape[1] * k.shape[0]):
-        score = torch.einsum("mhd,nd->mhn", q[rows].double(), k).relu()
-        logits = (score * weights[rows].double().unsqueeze(-1)).sum(dim=1).float()
+        score = torch.einsum("mhd,nd->mhn", q[rows].to(cdt), k).relu()
+        logits = (score * weights[rows].to(cdt).unsqueeze(-1)).sum(dim=1).float()
         valid = (n[None, :] >= cu_seqlen_ks[rows, None]) & (n[None, :] < cu_seqlen_ke[rows, None])
         out[rows] = logits.masked_fill(~valid, float("-inf"))
     return out
@@ -230,10 +247,11 @@ def fp8_paged_mqa_logits(
     pos = torch.arange(max_context_len, device=q.device)
     table = block_tables[:, pos // INDEX_PAGE_TOKENS].long().clamp_min(0)  # [B, L]
     offset = (pos % INDEX_PAGE_TOKENS).expand_as(table)
-    k = keys[table, offset].double() * scales[table, offset].double().unsqueeze(-1)  # [B, L, D]
-    qf = q.double().reshape(batch, next_n, heads, dim)
+    cdt = _cdt()
+    k = keys[table, offset].to(cdt) * scales[table, offset].to(cdt).unsqueeze(-1)  # [B, L, D]
+    qf = q.to(cdt).reshape(batch, next_n, heads, dim)
     score = torch.einsum("bthd,bld->bthl", qf, k).relu()
-    w = weights.double().reshape(batch, next_n, heads, 1)
+    w = weights.to(cdt).reshape(batch, next_n, heads, 1)
     logits = (score * w).sum(dim=2).float().reshape(batch * next_n, max_context_len)
     lens = context_lens.reshape(batch, -1)[:, -1:].repeat_interleave(next_n, dim=0)
     if next_n > 1:  # MTP rows see one more token each
@@ -335,14 +353,17 @@ def flash_mla_sparse_fwd(
 def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
     idx = indices[:, 0, :].long()
     valid = idx >= 0
-    rows = kv[:, 0, :][idx.clamp_min(0)].double()  # [s_q, topk, d_qk]
-    scores = torch.einsum("shd,std->sht", q.double(), rows) * sm_scale
+    cdt = _cdt()
+    sdt = torch.float32 if _fast() else torch.float64  # the softmax's
+    rows = kv[:, 0, :][idx.clamp_min(0)].to(cdt)  # [s_q, topk, d_qk]
+    scores = torch.einsum("shd,std->sht", q.to(cdt), rows).to(sdt) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     max_logits = scores.amax(dim=-1)
     safe_max = torch.where(torch.isfinite(max_logits), max_logits, torch.zeros_like(max_logits))
     p = torch.exp(scores - safe_max.unsqueeze(-1))
     denom = p.sum(dim=-1)
-    out = torch.einsum("sht,std->shd", p, rows[..., :d_v]) / denom.clamp_min(1e-30).unsqueeze(-1)
+    out = torch.einsum("sht,std->shd", p.to(cdt), rows[..., :d_v]).to(sdt)
+    out = out / denom.clamp_min(1e-30).unsqueeze(-1)
     lse = torch.log(denom.clamp_min(1e-30)) + safe_max
     return out.to(q.dtype), max_logits.float(), lse.float()
 
@@ -371,9 +392,10 @@ def initialize_dummy_weights(model: torch.nn.Module, *args, seed: int = 1234, **
 
 def _seeded(key: str, name: str, shape) -> torch.Tensor:
     digest = hashlib.sha256(key.encode()).digest()
-    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    device = "cuda" if _fast() and torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     if len(shape) >= 2:
-        return torch.randn(tuple(shape), generator=gen) / math.sqrt(shape[-1])
+        return torch.randn(tuple(shape), generator=gen, device=device) / math.sqrt(shape[-1])
     if "norm" in name and not name.endswith("bias"):
         return torch.ones(tuple(shape))
     return torch.zeros(tuple(shape))
@@ -633,6 +655,15 @@ def _patch_dsa_indexer(module) -> None:
             "device_index = device.index\n",
             "device_index = device.index if device.index is not None else 0\n",
         )
+
+        # S14: the logits memory budget of a big prefill batch reads the device's total memory
+        # (``get_device_properties``, which a CPU torch lacks); on the CPU, the host's.
+        def _get_mqa_logits_budget_bytes(self, device_index: int) -> int:
+            import psutil
+
+            return max(1, int(psutil.virtual_memory().total * module.MQA_LOGITS_TOTAL_MEM_FRACTION))
+
+        module.Indexer._get_mqa_logits_budget_bytes = _get_mqa_logits_budget_bytes
     module.rotate_activation = rotate_activation  # S3 (0.5.23 JIT hadamard is CUDA only)
     module.can_use_dsa_fused_store = lambda *args, **kwargs: False  # S9 (JIT: would run nvcc)
 

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Serving throughput of a DeepSeek-V3.2-shaped server: no flag vs ``--enable-kv-offload`` vs HiSparse.
+
+One command on the lent GPU machine (after ``source scripts/gpu_env.sh``)::
+
+    python3 benchmark/kv_offload/bench_serving_dsa.py --out results.json \\
+        --servers off,offload,hisparse --layers 8 --input-len 32768 --output-len 2048 \\
+        --concurrency 1,8,32
+
+For each server in turn it starts the REAL ``python -m sglang.launch_server`` (through
+``scripts/tiny_server.py``: random weights, the binary kernels the machine lacks as the torch
+references of ``test/srt/kv_offload/standins``) with CUDA graphs and the overlap scheduler on and the
+same ``--mem-fraction-static``, drives it with SGLang's own client, ``python -m sglang.bench_serving
+--backend sglang --dataset-name random-ids`` (fixed lengths, one seed, so every server gets the same
+prompts), once per concurrency, and records what the client reports (output tokens/s, TPOT p50/p99,
+TTFT p50) beside what the server logged (decode batch sizes: peak and mean running requests) and
+its KV token capacity (``max_total_num_tokens`` of ``GET /server_info``).
+
+``--model dsv32`` overrides the tiny model's shapes with DeepSeek-V3.2's attention and indexer
+(hidden 7168, 128 heads, kv_lora_rank 512, rope 64, q_lora_rank 1536, indexer 64 heads x 128,
+top-k 2048) and a narrower MoE (``--experts``, each token still runs 8 routed + 1 shared expert
+of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the tiny model (CPU CI).
+
+``--profile-concurrency C`` also asks the server (through bench_serving's ``--profile``) for a
+torch-profiler trace of ``--profile-steps`` decode steps at that concurrency and reports the GPU
+kernel time per step split into kv offload's launches and the rest (:func:`summarize_trace`).
+
+Results (``--out``) are rewritten after every point, so a run cut short keeps what it got; each
+server's log and each point's bench_serving output lie next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_common import results_json  # noqa: E402
+from tiny_server_gpu import Server, http, machine_info, parse_log  # noqa: E402
+
+# DeepSeek-V3.2's attention and indexer shapes (config.json of deepseek-ai/DeepSeek-V3.2-Exp).
+DSV32_SHAPES: Dict[str, Any] = {
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+}
+
+# Kernels kv offload launches inside a decode step (lru_kernels.py, transfer.py).
+OFFLOAD_KERNELS = ("_plan_layer_kernel", "_copy_rows")
+# HiSparse 0.5.23's swap-in kernels (JIT kvcacheio) and its Triton helpers.
+HISPARSE_KERNELS = ("hisparse", "load_cache_to_device_buffer")
+
+
+def model_overrides(a: argparse.Namespace) -> Dict[str, Any]:
+    over: Dict[str, Any] = {"num_hidden_layers": a.layers}
+    if a.model == "dsv32":
+        over.update(DSV32_SHAPES)
+        over["n_routed_experts"] = a.experts
+        over["num_experts_per_tok"] = min(8, a.experts)
+    if a.index_topk:
+        over["index_topk"] = a.index_topk
+    return over
+
+
+def topk_of(a: argparse.Namespace) -> int:
+    return model_overrides(a).get("index_topk", 2048)
+
+
+def server_args(kind: str, a: argparse.Namespace) -> List[str]:
+    """The launch flags of one server; everything but the offload flags is the same for all."""
+    args = [
+        "--context-length", str(a.input_len + a.output_len + 64),
+        "--mem-fraction-static", str(a.mem_fraction_static),
+        "--max-running-requests", str(a.max_running),
+        "--cuda-graph-max-bs-decode", str(a.max_running),
+        "--disable-prefill-cuda-graph",  # needs sgl_kernel's weak_ref_tensor (decode graphs stay)
+        "--chunked-prefill-size", str(a.chunked_prefill_size),
+        "--decode-log-interval", "1",
+        "--json-model-override-args", json.dumps(model_overrides(a)),
+    ]  # fmt: skip
+    if a.max_total_tokens:
+        args += ["--max-total-tokens", str(a.max_total_tokens)]
+    if kind == "offload":
+        cfg = dict(a.offload_config)
+        args += ["--enable-kv-offload", "--kv-offload-config", json.dumps(cfg)]
+    elif kind == "hisparse":
+        cfg = {"top_k": topk_of(a), "device_buffer_size": 2 * topk_of(a)}
+        cfg.update(a.hisparse_config)
+        args += ["--enable-hisparse", "--hisparse-config", json.dumps(cfg)]
+    elif kind != "off":
+        raise ValueError(f"unknown server kind {kind!r}: off, offload or hisparse")
+    return args + a.extra_server_args
+
+
+def bench_serving_cmd(port: int, tokenizer: str, conc: int, out_file: Path, a) -> List[str]:
+    num = max(a.min_prompts, a.prompts_per_concurrency * conc)
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving",
+        "--backend", "sglang",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--tokenizer", tokenizer,
+        "--dataset-name", "random-ids", "--tokenize-prompt",
+        "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+        "--random-range-ratio", "1.0",
+        "--num-prompts", str(num), "--max-concurrency", str(conc),
+        "--seed", str(a.seed), "--output-file", str(out_file),
+        "--warmup-requests", "1", "--disable-tqdm",
+    ]  # fmt: skip
+    if a.profile_concurrency == conc:
+        cmd += ["--profile", "--profile-num-steps", str(a.profile_steps)]
+        cmd += ["--profile-activities", "CPU", "GPU"]
+    return cmd
+
+
+def running_stats(log_text: str, since: int) -> Dict[str, Any]:
+    """Peak and mean ``#running-req`` of the decode log lines written after byte ``since``."""
+    lines = parse_log(log_text[since:])["decode_lines"]
+    running = [x["running"] for x in lines]
+    return {
+        "decode_log_lines": len(lines),
+        "peak_running": max(running, default=0),
+        "mean_running": statistics.fmean(running) if running else 0.0,
+        "all_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
+        "step_ms_median": statistics.median([x["step_ms"] for x in lines]) if lines else None,
+    }
+
+
+def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
+    """GPU kernel time of a torch-profiler chrome trace: per decode step in all, kv offload's and
+    HiSparse's kernels apart, the ten largest kernels, and the wall span of the kernels."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_name: Dict[str, List[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    total = sum(sum(v) for v in by_name.values())
+
+    def share(names) -> float:
+        return sum(sum(v) for k, v in by_name.items() if any(n in k for n in names))
+
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    span = (
+        max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels) if kernels else 0
+    )
+    per = max(1, steps)
+    return {
+        "trace": os.path.basename(path),
+        "steps": steps,
+        "kernels": len(kernels),
+        "kernel_us_per_step": total / per,
+        "offload_us_per_step": share(OFFLOAD_KERNELS) / per,
+        "hisparse_us_per_step": share(HISPARSE_KERNELS) / per,
+        "span_us_per_step": span / per,
+        "top_kernels": [
+            [name[:80], len(v), round(sum(v) / per, 1), round(statistics.median(v), 1)]
+            for name, v in top
+        ],
+    }
+
+
+def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
+    res: Dict[str, Any] = {"kind": kind, "args": server_args(kind, a), "points": [], "ok": False}
+    prof_dir = out_dir / f"profile_{kind}"
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(prof_dir)}
+    if a.fast_standins:
+        env["KV_OFFLOAD_STANDINS_FAST"] = "1"
+    server = Server(res["args"], out_dir / f"server_{kind}.log", env)
+    res["command"] = shlex.join(server.cmd)
+    try:
+        res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
+        info = http("GET", server.url + "/server_info", timeout=60)
+        state = (info.get("internal_states") or [{}])[0]
+        res["max_total_num_tokens"] = state.get(
+            "max_total_num_tokens", info.get("max_total_num_tokens")
+        )
+        res["kv_offload_start"] = state.get("kv_offload")
+        tokenizer = server.cmd[server.cmd.index("--model-path") + 1]
+        for conc in a.concurrency:
+            if time.time() > deadline - a.point_reserve_s:
+                res["points"].append({"concurrency": conc, "skipped": "deadline"})
+                continue
+            out_file = out_dir / f"bench_{kind}_c{conc}.jsonl"
+            out_file.unlink(missing_ok=True)
+            since = len(server.log_text())
+            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, a)
+            t0 = time.time()
+            proc = subprocess.run(
+                cmd,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                capture_output=True,
+                text=True,
+                timeout=max(30.0, deadline - time.time()),
+            )
+            point: Dict[str, Any] = {
+                "concurrency": conc,
+                "wall_s": time.time() - t0,
+                "returncode": proc.returncode,
+            }
+            (out_dir / f"bench_{kind}_c{conc}.log").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0 or not out_file.exists():
+                point["error"] = (proc.stdout + proc.stderr)[-2000:]
+            else:
+                row = json.loads(out_file.read_text().strip().splitlines()[-1])
+                point.update({k: row.get(k) for k in BENCH_KEYS})
+            point.update(running_stats(server.log_text(), since))
+            if a.profile_concurrency == conc:
+                traces = sorted(glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True))
+                point["profile"] = (
+                    summarize_trace(traces[-1], a.profile_steps) if traces else "no trace written"
+                )
+            res["points"].append(point)
+            print(f"[bench_serving_dsa] {kind} c={conc}: {json.dumps(point)[:600]}", flush=True)
+        info = http("GET", server.url + "/server_info", timeout=60)
+        res["kv_offload_end"] = (info.get("internal_states") or [{}])[0].get("kv_offload")
+        res["ok"] = all("error" not in p for p in res["points"])
+    except (
+        RuntimeError,
+        TimeoutError,
+        OSError,
+        subprocess.TimeoutExpired,
+        urllib.error.URLError,
+    ) as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        server.stop()
+        tail = server.log_text()[-3000:]
+        if not res["ok"]:
+            res["log_tail"] = tail
+    return res
+
+
+# What each point keeps of bench_serving's result line.
+BENCH_KEYS = (
+    "completed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_ttft_ms",
+    "median_itl_ms",
+    "max_concurrency",
+)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="bench_serving_dsa.json")
+    p.add_argument("--servers", default="off,offload,hisparse")
+    p.add_argument("--model", choices=["dsv32", "tiny"], default="dsv32")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8, help="routed experts of the narrower MoE")
+    p.add_argument("--index-topk", type=int, default=0, help="0: the model's (2048)")
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=2048)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-total-tokens", type=int, default=0, help="0: what the memory gives")
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--chunked-prefill-size", type=int, default=16384)
+    p.add_argument("--offload-config", type=json.loads, default={})
+    p.add_argument("--hisparse-config", type=json.loads, default={})
+    p.add_argument(
+        "--fast-standins",
+        action="store_true",
+        help="the kernel stand-ins compute in bf16/fp32 instead of float64 (their batch "
+        "invariance is for token equality, not throughput)",
+    )
+    p.add_argument("--profile-concurrency", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument("--deadline-s", type=float, default=570)
+    p.add_argument("--point-reserve-s", type=float, default=30)
+    p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
+    a = p.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
+    deadline = time.time() + a.deadline_s
+    out_path = Path(a.out).resolve()
+    out_dir = out_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: Dict[str, Any] = {
+        "machine": machine_info(),
+        "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "model": {"kind": a.model, "overrides": model_overrides(a)},
+        "workload": {
+            "input_len": a.input_len,
+            "output_len": a.output_len,
+            "concurrency": a.concurrency,
+            "dataset": "random-ids",
+            "seed": a.seed,
+        },
+        "servers": [],
+    }
+
+    def save() -> None:
+        out_path.write_text(results_json(report))
+
+    for kind in [s for s in a.servers.split(",") if s]:
+        print(f"[bench_serving_dsa] starting {kind}", flush=True)
+        report["servers"].append(run_server(kind, a, out_dir, deadline))
+        save()
+    report["summary"] = {
+        s["kind"]: {
+            p["concurrency"]: {
+                k: p.get(k)
+                for k in ("output_throughput", "median_tpot_ms", "peak_running", "completed")
+            }
+            for p in s["points"]
+        }
+        for s in report["servers"]
+    }
+    save()
+    print("[bench_serving_dsa] summary: " + json.dumps(report["summary"]), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
