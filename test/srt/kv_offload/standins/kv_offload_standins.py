@@ -239,16 +239,17 @@ def fp8_paged_mqa_logits(
     """
     batch, next_n, heads, dim = q.shape
     pages = kv_cache.shape[0]
+    # Views of the pool (no copy: the kernel reads only the pages the block tables name, and a
+    # copy of the whole pool would cost time in proportion to the pool, not the batch).
     raw = kv_cache.reshape(pages, -1)
-    keys = raw[:, : INDEX_PAGE_TOKENS * dim].contiguous().view(torch.float8_e4m3fn)
-    keys = keys.view(pages, INDEX_PAGE_TOKENS, dim)
-    scales = raw[:, INDEX_PAGE_TOKENS * dim :].contiguous().view(torch.float32)
-    scales = scales.view(pages, INDEX_PAGE_TOKENS)
+    keys = raw.view(pages, -1, dim)[:, :INDEX_PAGE_TOKENS]  # [pages, 64, 128] bytes
+    scales = raw.view(torch.float32)[:, INDEX_PAGE_TOKENS * dim // 4 :]  # [pages, 64]
     pos = torch.arange(max_context_len, device=q.device)
     table = block_tables[:, pos // INDEX_PAGE_TOKENS].long().clamp_min(0)  # [B, L]
     offset = (pos % INDEX_PAGE_TOKENS).expand_as(table)
     cdt = _cdt()
-    k = keys[table, offset].to(cdt) * scales[table, offset].to(cdt).unsqueeze(-1)  # [B, L, D]
+    k = keys[table, offset].view(torch.float8_e4m3fn).to(cdt)  # [B, L, D]
+    k = k * scales[table, offset].to(cdt).unsqueeze(-1)
     qf = q.to(cdt).reshape(batch, next_n, heads, dim)
     score = torch.einsum("bthd,bld->bthl", qf, k).relu()
     w = weights.to(cdt).reshape(batch, next_n, heads, 1)
