@@ -54,6 +54,22 @@ GB = 1e9
 MLA_HEADS = 128
 
 
+def _median_ms(fn: Callable[[], Any], iters: int = 20) -> float:
+    """Median CUDA-event time of ``fn`` in ms over ``iters`` calls, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def _measure(build: Callable[[], Any]) -> Tuple[Any, int]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -252,9 +268,7 @@ def _attention_side_ms(bs: int, ctx: int, a, kv_rows: torch.Tensor) -> float:
         p = torch.softmax(torch.einsum("bhc,bkc->bhk", q, kv).float() * ne.LATENT**-0.5, -1)
         torch.einsum("bhk,bkc->bhc", p.to(torch.bfloat16), kv[..., : ne.KV_LORA])
 
-    from probe_uva_gather import bench  # the same event-timed median loop
-
-    return bench(layer, iters=5)
+    return _median_ms(layer, iters=5)
 
 
 def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
