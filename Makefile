@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: demo test build check fmt serve-tiny serve-tiny-pd
+.PHONY: demo test test-fast build check fmt serve-tiny serve-tiny-pd
 
 build:
 	$(PY) scripts/kv_offload_tree.py build
@@ -24,8 +24,13 @@ serve-tiny-pd: export TINY_PD_DECODE_ARGS = $(DECODE_ARGS)
 serve-tiny-pd: build
 	$(VENV)/bin/python scripts/tiny_pd.py --port $(PORT)
 
+# Everything, the real-server and PD suites included (what .ci/run runs).
 test: build
 	$(VENV)/bin/python -m pytest -q test/srt/kv_offload $(PYTEST_ARGS)
+
+# A contributor's first check: everything but the real-server suites (tests marked slow).
+test-fast: build
+	$(VENV)/bin/python -m pytest -q test/srt/kv_offload -m "not slow" $(PYTEST_ARGS)
 
 check:
 	$(PY) scripts/kv_offload_tree.py check
