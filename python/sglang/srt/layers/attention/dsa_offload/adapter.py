@@ -92,7 +92,7 @@ class DSAOffloadAdapter:
         self._prefetch_done = torch.cuda.Event() if on_cuda else None
         self._prefetch_in_flight = False
         self._overlaps_prefetch_load = ws is not None and _victims_avoid_prefetch(
-            coordinator.sparse_cache.base_slots, ws.topk
+            coordinator.sparse_cache.max_slots, ws.topk
         )
 
     def wait_for_pending_backup(self) -> None:
@@ -196,7 +196,7 @@ class DSAOffloadAdapter:
         self._prefetch_in_flight = True
 
 
-def _victims_avoid_prefetch(least_budget: int, topk: int) -> bool:
+def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:
     """Whether a layer's plan can run while the prefetch's load into that layer is in flight.
 
     The prefetch loads at most ``topk`` rows into slots it moves to the most recent end of the LRU;
@@ -204,8 +204,7 @@ def _victims_avoid_prefetch(least_budget: int, topk: int) -> bool:
     hits. With ``n`` slots, at least ``n - topk`` slots outside the prefetch's loads are evictable
     beside the hits, so ``n >= 2 * topk`` keeps every victim out of the prefetch's in-flight rows.
     A request holding fewer slots holds its whole context (``slots_for``): its victims are empty
-    slots, which precede every loaded one. So a bound on each layer's budget suffices: on the
-    smallest of the per-layer budgets. (A request whose slots could not grow with its context is
-    failed at that step by the coordinator.)
+    slots, which precede every loaded one. So the bound on the largest grant suffices. (A request
+    whose slots could not grow with its context is failed at that step by the coordinator.)
     """
-    return least_budget >= 2 * topk
+    return max_slots >= 2 * topk
