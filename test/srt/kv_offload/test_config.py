@@ -17,7 +17,6 @@ DOCUMENTED_DEFAULTS = {
     "pd_direct_to_host": False,
     "status_log_interval": 1000,
     "prefetch_next_layer": False,
-    "prefetch_sms": 0,
     "prefetch_max_bs": 0,
     "share_host_pool": True,
 }
@@ -39,7 +38,6 @@ def test_values_round_trip():
         "pd_direct_to_host": True,
         "status_log_interval": 0,
         "prefetch_next_layer": True,
-        "prefetch_sms": 32,
         "prefetch_max_bs": 64,
         "share_host_pool": False,
     }
@@ -80,8 +78,6 @@ def test_values_round_trip():
         ("", "is empty"),
         ("   ", "is empty"),
         ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
-        ('{"prefetch_next_layer": true, "prefetch_sms": -8}', "prefetch_sms=-8 must be >= 0"),
-        ('{"prefetch_sms": 32}', 'add "prefetch_next_layer": true or drop prefetch_sms'),
         (
             '{"prefetch_next_layer": true, "prefetch_max_bs": -1}',
             "prefetch_max_bs=-1 must be >= 0",

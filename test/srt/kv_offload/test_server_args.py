@@ -178,14 +178,6 @@ def test_unpinned_host_memory_on_cuda():
     make_args("--enable-kv-offload", "--kv-offload-config", config).check_server_args()
 
 
-def test_prefetch_sm_partition_needs_cuda():
-    config = '{"prefetch_next_layer": true, "prefetch_sms": 32}'
-    msg = rejected(make_args("--enable-kv-offload", "--kv-offload-config", config))
-    assert "prefetch_sms=32 on --device cpu" in msg
-    args = resolved(make_args("--enable-kv-offload", "--kv-offload-config", config), device="cuda")
-    args.check_server_args()
-
-
 def test_direct_to_host_needs_a_decode_server():
     direct = ["--enable-kv-offload", "--kv-offload-config", '{"pd_direct_to_host": true}']
     msg = rejected(make_args(*direct))

@@ -64,17 +64,12 @@ class KVOffloadConfig:
         prefetch_next_layer: while a layer computes, plan and load its top-k for the next
             layer on a side stream (adjacent layers select mostly the same tokens), so the next
             layer's own plan loads only what the guess missed.
-        prefetch_sms: 0 (default): the prefetch runs on an ordinary stream at the device's
-            highest priority; N > 0: its load runs on a partition of at least N SMs of its own
-            (a CUDA green context, ``sm_partition.py``) with the miss load's launch shape, so it
-            overlaps the layer's compute instead of waiting for SMs (its plan stays on the
-            priority stream, on every SM). Needs
-            ``prefetch_next_layer`` and a CUDA 12.4+ driver; the compute keeps every SM.
         prefetch_max_bs: 0 (default): every decode batch prefetches; N > 0: only batches of at
             most N requests (as CUDA graphs pad them) do, larger ones load their misses in their
             own layer only. Where the layer's compute is too short to hide the rows a guess
-            moves (large batches), the prefetch costs more than it saves (docs/kv_offload.md,
-            "An SM partition for the prefetch"). Needs ``prefetch_next_layer``.
+            moves (large batches), the prefetch costs more than it saves (measured with
+            ``bench_exposed.py``, in the tree at ea8f521; benchmark/kv_offload/JOURNAL.md).
+            Needs ``prefetch_next_layer``.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
@@ -89,7 +84,6 @@ class KVOffloadConfig:
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
     prefetch_next_layer: bool = False
-    prefetch_sms: int = 0
     prefetch_max_bs: int = 0
     share_host_pool: bool = True
 
@@ -180,15 +174,6 @@ class KVOffloadConfig:
         _require(
             self.h2d_programs_per_req >= 0,
             f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0: one strided pass)",
-        )
-        _require(
-            self.prefetch_sms >= 0,
-            f"prefetch_sms={self.prefetch_sms} must be >= 0 (0: an ordinary prefetch stream)",
-        )
-        _require(
-            self.prefetch_sms == 0 or self.prefetch_next_layer,
-            f"prefetch_sms={self.prefetch_sms} sizes the cross-layer prefetch's SM partition, "
-            'which is off; add "prefetch_next_layer": true or drop prefetch_sms',
         )
         _require(
             self.prefetch_max_bs >= 0,
@@ -338,11 +323,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "pin_host_memory=false on CUDA: the per-layer loads read the host pool directly from "
             "the GPU (zero-copy), which needs pinned memory. Drop pin_host_memory from "
             "--kv-offload-config."
-        )
-    if config.prefetch_sms and cfg.device != "cuda":
-        _reject(
-            f"prefetch_sms={config.prefetch_sms} on --device {cfg.device}: an SM partition is a "
-            "CUDA green context. Drop prefetch_sms from --kv-offload-config."
         )
     if cfg.pp_size > 1:
         _reject(

@@ -36,12 +36,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
 from sglang.srt.mem_cache.sparsity.kv_offload.shared_host import NodeSharedHostAllocator
-from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition, SmPartitionError
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
-    default_group_launch_config,
-    default_load_launch_config,
-)
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 from sglang.srt.runtime_context import (
     get_exec,
     get_memory,
@@ -179,27 +175,12 @@ def init_offload(runner) -> None:
     if config.h2d_programs_per_req:
         base = default_group_launch_config(torch.device(runner.device))
         group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
-    prefetch_partition = None
-    if config.prefetch_sms:
-        try:
-            prefetch_partition = SmPartition(config.prefetch_sms, torch.device(runner.device))
-        except SmPartitionError as exc:
-            raise KVOffloadConfigError(f"--kv-offload-config prefetch_sms: {exc}") from None
-        logger.info(
-            "kv offload: the cross-layer prefetch runs on %d SMs of its own (prefetch_sms=%d)",
-            prefetch_partition.sms,
-            config.prefetch_sms,
-        )
     controller = KVOffloadCacheController(
         allocator,
         host,
         # Backup completion counts are agreed over the CPU (gloo) group, as upstream HiCache does.
         tp_group=tp_group.cpu_group if tp_group is not None else None,
         group_load_config=group_load_config,
-        # On its own SMs the prefetch takes the miss load's shape; beside the compute, its own.
-        prefetch_load_config=(
-            default_load_launch_config(torch.device(runner.device)) if prefetch_partition else None
-        ),
     )
     # A PD decode server's request pool has pre-allocation rows beyond ``size``; every row that can
     # reach a decode step needs LRU state.
@@ -236,9 +217,7 @@ def init_offload(runner) -> None:
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, metrics)
     runner.hisparse_coordinator = DSAOffloadAdapter(
-        coordinator,
-        prefetch_stream=prefetch_partition.stream if prefetch_partition else None,
-        prefetch_max_bs=config.prefetch_max_bs,
+        coordinator, prefetch_max_bs=config.prefetch_max_bs
     )
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
