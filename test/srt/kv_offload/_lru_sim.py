@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -36,39 +36,25 @@ class World:
         max_reqs: int = 4,
         num_logical: int = 2048,
         topk: int = 32,
-        buffer_slots: Union[int, Sequence[int]] = 64,
+        buffer_slots: int = 64,
         pool_pages: int = 8,
         tail_rows: int = 512,
-        extra_pages: int = 8,
     ) -> None:
         self.rng = rng
         self.L = num_layers
         self.K = topk
         self.alloc = make_allocator(pool_pages)
-        tail_base = (pool_pages + 1) * PAGE_SIZE
-        self.num_phys = tail_base + tail_rows
-        # Per-layer budgets: each budget above the smallest has its own rows past the tail rows
-        # (in every simulated layer's buffer; the real pool adds them to its group's layers only).
-        budgets = sorted(set([buffer_slots] if isinstance(buffer_slots, int) else buffer_slots))
-        self.extra = {n: make_allocator(extra_pages) for n in budgets[1:]}
-        self.free_at_start = self.free_counts()
+        self.free_at_start = self.alloc.available_size()
         self.state = SparseCacheState(
-            num_layers,
-            num_logical,
-            max_reqs,
-            buffer_slots,
-            topk,
-            self.alloc,
-            "cpu",
-            extra_allocators=self.extra,
-            extra_row_offset=self.num_phys - PAGE_SIZE,
+            num_layers, num_logical, max_reqs, buffer_slots, topk, self.alloc, "cpu"
         )
         self.loc_to_host = torch.full((num_logical,), -1, dtype=torch.int64)
         self.loc_to_tail = torch.full((num_logical,), -1, dtype=torch.int64)
         self.loc_uid = torch.full((num_logical,), -1, dtype=torch.int64)
+        tail_base = (pool_pages + 1) * PAGE_SIZE
+        self.num_phys = tail_base + tail_rows
         self.host_kv = torch.zeros((num_layers, num_logical, D), dtype=torch.int64)
-        rows = self.num_phys + extra_pages * PAGE_SIZE
-        self.dev_kv = torch.zeros((num_layers, rows, D), dtype=torch.int64)
+        self.dev_kv = torch.zeros((num_layers, self.num_phys, D), dtype=torch.int64)
         # The last loc is padding, never a token's: as in the server's mapping (index -1), where
         # ``SparseCacheState.release`` clears it for every empty slot.
         self.free_locs: List[int] = list(range(num_logical - 1))
@@ -83,12 +69,6 @@ class World:
         self.clock = 0
         self.last_used = torch.full((num_layers, num_logical), -1, dtype=torch.int64)
         self.stats: Counter = Counter()  # what a trace exercised (tests assert coverage)
-
-    def free_counts(self) -> Dict[object, int]:
-        """Free rows of the shared slot allocator and of each budget's own rows."""
-        return {"shared": self.alloc.available_size()} | {
-            n: a.available_size() for n, a in self.extra.items()
-        }
 
     # ----------------------------------------------------------------- content
     def row(self, uid: torch.Tensor, layer: int) -> torch.Tensor:
@@ -233,8 +213,7 @@ class World:
             assert torch.equal(got, want), f"layer {layer} row {b}: wrong KV content"
             # sparse slots must belong to this request; tails are its own rows
             r = int(rpi[b])
-            view = self.state.layer(layer)
-            own = set(view.out_cache_loc_sparse[r, : int(view.num_slots[r])].tolist())
+            own = set(self.state.out_cache_loc_sparse[r, : self.state.num_slots_cpu[r]].tolist())
             tails = self.loc_to_tail[t[valid]]
             for o, tl_ in zip(out[valid].tolist(), tails.tolist()):
                 assert o in own or o == tl_, "row resolved outside the request's slots"
@@ -298,7 +277,7 @@ def run_trace(
     num_layers: int = 2,
     max_reqs: int = 4,
     topk: int = 32,
-    buffer_slots: Union[int, Sequence[int]] = 64,
+    buffer_slots: int = 64,
     pool_pages: int = 8,
     max_ctx: int = 200,
     compact: bool = False,
@@ -349,12 +328,7 @@ def run_trace(
                 w.load_and_check(layer, topk_t, rpi, n_real, res, compact)
                 for b, r in enumerate(live):
                     w.check_lru_step(
-                        layer,
-                        r,
-                        topk_t[b],
-                        before[r],
-                        int(w.state.layer(layer).num_slots[r]),
-                        overflow,
+                        layer, r, topk_t[b], before[r], w.state.num_slots_cpu[r], overflow
                     )
                 # padded rows' stale requests that are not live must be untouched
                 for r in set(rpi_list[n_real:]) - set(live):

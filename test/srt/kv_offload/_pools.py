@@ -9,12 +9,7 @@ BF16 = (torch.bfloat16, 576)  # 1152 B rows
 
 
 def offload_device_pool(
-    physical: int,
-    logical: int,
-    layers: int = 2,
-    dtype_dim=FP8,
-    device: str = "cpu",
-    layer_extra_rows=(),
+    physical: int, logical: int, layers: int = 2, dtype_dim=FP8, device: str = "cpu"
 ) -> KVOffloadDSATokenToKVPool:
     dtype, dim = dtype_dim
     return KVOffloadDSATokenToKVPool(
@@ -29,5 +24,4 @@ def offload_device_pool(
         index_head_dim=128,
         enable_memory_saver=False,
         kv_cache_dim=dim,
-        layer_extra_rows=layer_extra_rows,
     )

@@ -17,10 +17,8 @@ DOCUMENTED_DEFAULTS = {
     "pd_direct_to_host": False,
     "status_log_interval": 1000,
     "prefetch_next_layer": False,
-    "prefetch_sms": 0,
     "prefetch_max_bs": 0,
     "share_host_pool": True,
-    "layer_slots_per_req": None,
 }
 
 
@@ -40,7 +38,6 @@ def test_values_round_trip():
         "pd_direct_to_host": True,
         "status_log_interval": 0,
         "prefetch_next_layer": True,
-        "prefetch_sms": 32,
         "prefetch_max_bs": 64,
         "share_host_pool": False,
     }
@@ -81,21 +78,11 @@ def test_values_round_trip():
         ("", "is empty"),
         ("   ", "is empty"),
         ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
-        ('{"prefetch_next_layer": true, "prefetch_sms": -8}', "prefetch_sms=-8 must be >= 0"),
-        ('{"prefetch_sms": 32}', 'add "prefetch_next_layer": true or drop prefetch_sms'),
         (
             '{"prefetch_next_layer": true, "prefetch_max_bs": -1}',
             "prefetch_max_bs=-1 must be >= 0",
         ),
         ('{"prefetch_max_bs": 64}', 'add "prefetch_next_layer": true or drop prefetch_max_bs'),
-        ('{"layer_slots_per_req": 4096}', "must be a JSON list of ints (one per layer)"),
-        ('{"layer_slots_per_req": [4096, "4096"]}', "must be a JSON list of ints"),
-        ('{"layer_slots_per_req": []}', "layer_slots_per_req is empty"),
-        ('{"layer_slots_per_req": [4096, 4000]}', "budgets [(1, 4000)] (layer, slots)"),
-        (
-            '{"layer_slots_per_req": [4096, 4160]}',
-            "sums to 8256 slots, more than the 2 layers x sparse_slots_per_req=4096 = 8192",
-        ),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):
@@ -104,18 +91,6 @@ def test_rejections_name_the_flag_and_the_problem(text, needle):
     message = str(info.value)
     assert "--kv-offload-config" in message
     assert needle in message
-
-
-def test_layer_slot_budgets():
-    cfg = KVOffloadConfig.from_json('{"layer_slots_per_req": [2048, 6144, 4096]}')
-    assert cfg.layer_slots_per_req == (2048, 6144, 4096)
-    assert cfg.layer_slots(3) == (2048, 6144, 4096)
-    assert KVOffloadConfig().layer_slots(2) == (4096, 4096)
-    with pytest.raises(KVOffloadConfigError, match="lists 3 budgets but the model has 61 layers"):
-        cfg.layer_slots(61)
-    cfg.check(index_topk=2048)
-    with pytest.raises(KVOffloadConfigError, match=r"budgets \[\(0, 2048\)\]"):
-        cfg.check(index_topk=2112)  # a layer's budget must hold its whole top-k
 
 
 def test_buffer_must_cover_index_topk():

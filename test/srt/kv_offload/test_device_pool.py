@@ -107,23 +107,6 @@ def test_allocated_bytes_match_formulas(dtype_dim, row):
     assert alloc.logical_size == logical and alloc.physical_size == phys
 
 
-def test_per_layer_budgets_own_rows_in_ragged_buffers_within_the_budget():
-    """Per-layer budgets: layer 1 gets 256 rows past the shared ones, layer 0 none; the byte
-    split charges them once (one layer each), so the uniform split of the same bytes matches."""
-    layers, phys, logical = 2, 256, 1024
-    pool = offload_device_pool(phys, logical, layers, FP8, layer_extra_rows=[0, 256])
-    assert [pool.device_row_view(i).shape[0] for i in range(2)] == [phys + P, phys + P + 256]
-    assert pool.allocated_bytes()["kv"] == (2 * (phys + P) + 256) * 656
-    assert int(pool.data_ptrs[1]) == pool.kv_buffer[1].data_ptr()
-    with pytest.raises(ValueError, match="1 extra row counts for 2 layers"):
-        offload_device_pool(phys, logical, layers, FP8, layer_extra_rows=[64])
-    budget = 10**9
-    # 64 + 192 slots per request for 4 requests == 128 + 128: the same bytes, the same tokens.
-    split = split_gpu_budget(budget, 2, 656, 4 * (64 + 128), index_row_bytes=136, layer_rows=512)
-    uniform = split_gpu_budget(budget, 2, 656, 4 * (128 + 128), index_row_bytes=136)
-    assert split.kv_bytes == uniform.kv_bytes and split.logical_tokens == uniform.logical_tokens
-
-
 def test_loc_to_host_table_and_mapping_are_shared():
     pool, alloc, _ = make()
     assert alloc.loc_to_host.shape == (1024 + P + 1,)

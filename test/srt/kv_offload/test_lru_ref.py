@@ -144,10 +144,10 @@ def test_checks_catch_stale_hits_after_loc_reuse():
     """Releasing without clearing the map would let the next owner of a loc hit stale KV."""
 
     def leaky_release(w: World, r: int) -> None:
-        n = w.state.shared_slots_held(r)
-        w.state.allocator.free(w.state.out_cache_loc_sparse[0, r, :n].long())
-        w.state.granted_cpu[r] = 0
-        w.state.num_slots[:, r] = 0
+        n = w.state.num_slots_cpu[r]
+        w.state.allocator.free(w.state.out_cache_loc_sparse[r, :n].long())
+        w.state.num_slots_cpu[r] = 0
+        w.state.num_slots[r] = 0
 
     rng = random.Random(0)
     w = World(rng, num_layers=1, max_reqs=2, num_logical=256, topk=32, buffer_slots=64)

@@ -295,56 +295,6 @@ def test_metrics_on_the_prometheus_endpoint(main_pair):
     assert state["loaded"] > 0
 
 
-# Per-layer slot budgets: the same 2 x SLOTS slots per request, split 64 / 192 (layer 0 holds just
-# its top-k, so it reloads nearly all of it every step; layer 1 holds its 128 slots past the shared
-# 64 in rows of its own).
-LAYER_SLOTS = [TOPK, 2 * SLOTS - TOPK]
-ON_LAYERS = (
-    COMMON
-    + context(CONTEXT)
-    + SMALL_GPU
-    + offload(layer_slots_per_req=LAYER_SLOTS)
-    + ["--enable-metrics"]
-)
-
-
-@pytest.fixture(scope="module")
-def layer_budget_server(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("layers")
-    with running((ON_LAYERS, logs / "on_layers.log")) as (server,):
-        yield server
-
-
-def test_per_layer_slot_budgets(main_pair, layer_budget_server):
-    """Per-layer budgets (layer_slots_per_req) in the real server: the same greedy tokens as the
-    flag-off server, in the same GPU budget (the same token budget as ON), layer 1's own rows
-    taken and returned (leak check over every allocator, theirs included)."""
-    off, _ = main_pair
-    on = layer_budget_server
-    start = on.offload_state()
-    own = f"layer_rows_{LAYER_SLOTS[1]}"
-    # RUNNING requests x the 128 slots layer 1 holds past the shared 64.
-    assert start["initial_free"][own] == RUNNING * (LAYER_SLOTS[1] - LAYER_SLOTS[0])
-    assert on.server_info()["max_total_num_tokens"] == expected_offload_token_budget(4096)
-    described = "64 in 1 layers (shared rows), 192 in 1 layers (+1024 own rows each)"
-    assert f"sparse slots per request: {described}" in on.log()
-    prompts = [prompt(n, seed) for seed, n in enumerate([90, 300, 520, 760])]
-    assert_same_batch(off, on, prompts, 16)
-    prompts = [prompt(n, 100 + n) for n in (640, 900)]
-    assert_same_batch(off, on, prompts, 40)
-    after = on.wait_no_leak()
-    assert after["free"][own] == start["initial_free"][own]
-    assert after["loaded"] > 0.3 * after["selected"], after
-    assert after["error_flags"] == 0
-    # The operator's gauge of the own rows, idle: all free (refreshed once a second).
-    deadline = time.time() + 60
-    while metric(requests.get(on.url + "/metrics", timeout=30).text, "layer_rows_free") != float(
-        after["free"][own]
-    ):
-        assert time.time() < deadline, "layer_rows_free never showed the idle own rows"
-        time.sleep(1)
-
-
 def test_token_budget_with_the_same_gpu_budget(main_pair):
     """(c, first half) the same GPU budget (--max-total-tokens 4096) admits more tokens with the
     flag: an offloaded token costs index keys on the GPU, its KV lives on the host. The figure is

@@ -81,14 +81,6 @@ def test_flag_off_by_default(monkeypatch):
         make_args("--page-size", "32", "--enable-kv-offload").check_server_args()
 
 
-def test_layer_slot_budgets_are_accepted():
-    from sglang.srt.mem_cache.sparsity.kv_offload.config import validate_server_args
-
-    config = '{"layer_slots_per_req": [2048, 6144]}'
-    args = make_args("--enable-kv-offload", "--kv-offload-config", config)
-    assert validate_server_args(args).layer_slots(2) == (2048, 6144)
-
-
 def test_fp8_kv_with_flashmla_kv_is_accepted():
     from sglang.srt.arg_groups.overrides import resolved_view
 
@@ -186,14 +178,6 @@ def test_unpinned_host_memory_on_cuda():
     make_args("--enable-kv-offload", "--kv-offload-config", config).check_server_args()
 
 
-def test_prefetch_sm_partition_needs_cuda():
-    config = '{"prefetch_next_layer": true, "prefetch_sms": 32}'
-    msg = rejected(make_args("--enable-kv-offload", "--kv-offload-config", config))
-    assert "prefetch_sms=32 on --device cpu" in msg
-    args = resolved(make_args("--enable-kv-offload", "--kv-offload-config", config), device="cuda")
-    args.check_server_args()
-
-
 def test_direct_to_host_needs_a_decode_server():
     direct = ["--enable-kv-offload", "--kv-offload-config", '{"pd_direct_to_host": true}']
     msg = rejected(make_args(*direct))
@@ -239,8 +223,6 @@ def test_decode_backend_must_read_flat_slots():
         ('{"sparse_slots_per_req": 1000}', "multiple of 64"),
         ('{"sparse_slots_per_req": 1024}', "index_topk=2048"),
         ('{"host_pool_ratio": -2}', "must be >= 1"),
-        ('{"layer_slots_per_req": [4096]}', "lists 1 budgets but the model has 2 layers"),
-        ('{"layer_slots_per_req": [1024, 6144]}', "budgets [(0, 1024)] (layer, slots)"),
     ],
 )
 def test_bad_config_values(config, needle):

@@ -23,7 +23,7 @@ def _state(pages=8, layers=2, reqs=4, buffer=128, topk=32, locs=1024):
 def _snapshot(s: SparseCacheState):
     return [
         t.clone() for t in (s.loc_to_slot, s.slot_loc, s.lru, s.out_cache_loc_sparse, s.num_slots)
-    ] + [list(s.granted_cpu), s.allocator.available_size()]
+    ] + [list(s.num_slots_cpu), s.allocator.available_size()]
 
 
 def _same(a, b) -> bool:
@@ -44,13 +44,13 @@ def test_elastic_slot_counts():
     ]
     start = alloc.available_size()
     assert s.admit(0, 70)
-    assert s.shared_slots_held(0) == 128 and alloc.available_size() == start - 128
-    rows = s.out_cache_loc_sparse[0, 0, :128]
+    assert s.num_slots_cpu[0] == 128 and alloc.available_size() == start - 128
+    rows = s.out_cache_loc_sparse[0, :128]
     assert bool((rows % 64 == torch.arange(128) % 64).all())  # whole pages
-    assert bool((s.out_cache_loc_sparse[0, 0, 128:] == -1).all())
-    assert s.grow(0, 100) and s.shared_slots_held(0) == 128  # no-op
-    assert s.grow(0, 129) and s.shared_slots_held(0) == 192
-    assert s.grow(0, 5000) and s.shared_slots_held(0) == 192  # capped at the buffer
+    assert bool((s.out_cache_loc_sparse[0, 128:] == -1).all())
+    assert s.grow(0, 100) and s.num_slots_cpu[0] == 128  # no-op
+    assert s.grow(0, 129) and s.num_slots_cpu[0] == 192
+    assert s.grow(0, 5000) and s.num_slots_cpu[0] == 192  # capped at the buffer
     s.check_invariants()
     assert s.release(0) == 192 and alloc.available_size() == start
 
@@ -106,7 +106,7 @@ def test_mark_resident_then_hits():
     assert s.admit(2, 100)
     locs = torch.tensor([5, 9, 11])
     rows = s.mark_resident(2, locs)
-    assert torch.equal(rows, s.out_cache_loc_sparse[0, 2, :3])
+    assert torch.equal(rows, s.out_cache_loc_sparse[2, :3])
     s.check_invariants()
     topk = torch.tensor([[9, 5, -1, 11] + [-1] * 28], dtype=torch.int32)
     l2h = torch.arange(1024, dtype=torch.int64)
@@ -130,7 +130,7 @@ def test_release_clears_every_entry_after_real_traffic():
     s = w.state
     assert bool((s.loc_to_slot == -1).all()) and bool((s.slot_loc == -1).all())
     assert bool((s.out_cache_loc_sparse == -1).all()) and bool((s.num_slots == 0).all())
-    assert w.free_counts() == w.free_at_start
+    assert w.alloc.available_size() == w.free_at_start
     s.check_invariants()
 
 
@@ -149,109 +149,24 @@ def test_random_lifecycle_conserves_slots(ops):
     for op, r, ctx in ops:
         before = _snapshot(s)
         if op == "admit":
-            if s.shared_slots_held(r):
+            if s.num_slots_cpu[r]:
                 with pytest.raises(RuntimeError):
                     s.admit(r, ctx)
             elif not s.admit(r, ctx):
                 assert _same(before, _snapshot(s)) and alloc.available_size() < s.slots_for(ctx)
         elif op == "grow":
-            if s.shared_slots_held(r) and not s.grow(r, ctx):
+            if s.num_slots_cpu[r] and not s.grow(r, ctx):
                 assert _same(before, _snapshot(s))
         else:
             s.release(r)
-        owned = s.shared_slots_total()
+        owned = sum(s.num_slots_cpu)
         assert alloc.available_size() + owned == start
-        rows = torch.cat([s.out_cache_loc_sparse[0, q, : s.shared_slots_held(q)] for q in range(4)])
+        rows = torch.cat([s.out_cache_loc_sparse[q, : s.num_slots_cpu[q]] for q in range(4)])
         assert rows.numel() == torch.unique(rows).numel(), "a row granted twice"
         s.check_invariants()
     for r in range(4):
         s.release(r)
     assert alloc.available_size() == start
-
-
-def _budget_state(budgets=(64, 192, 128), pages=8, extra_pages=4, reqs=4):
-    alloc = make_allocator(pages)
-    extra = {n: make_allocator(extra_pages) for n in sorted(set(budgets))[1:]}
-    offset = 10_000
-    s = SparseCacheState(
-        len(budgets), 1024, reqs, list(budgets), 32, alloc, "cpu", extra, extra_row_offset=offset
-    )
-    return s, alloc, extra, offset
-
-
-def test_per_layer_budgets_grow_through_base_rows_into_own_rows():
-    s, alloc, extra, offset = _budget_state()
-    assert (s.base_slots, s.max_slots, s.group_slots) == (64, 192, (64, 128, 192))
-    assert s.layer_group == (0, 2, 1)
-    start = alloc.available_size(), {n: a.available_size() for n, a in extra.items()}
-    assert s.admit(0, 10) and s.num_slots[:, 0].tolist() == [64, 64, 64]
-    base = s.out_cache_loc_sparse[0, 0, :64].clone()
-    assert s.grow(0, 150)  # 192 granted: 64 base rows, then 64 / 128 rows of each group's own
-    assert s.num_slots[:, 0].tolist() == [64, 128, 192] and s.shared_slots_held(0) == 64
-    assert alloc.available_size() == start[0] - 64
-    assert extra[128].available_size() == start[1][128] - 64
-    assert extra[192].available_size() == start[1][192] - 128
-    for g, n in enumerate((64, 128, 192)):
-        rows = s.out_cache_loc_sparse[g, 0, :n]
-        assert torch.equal(rows[:64], base) and bool((rows[64:] >= offset + 64).all())
-    assert s.layer(1).num_slots[0] == 192 and s.layer(2).num_slots[0] == 128
-    # the layer's new slots sit at the LRU end, in front of the base slots, in its own order only
-    assert s.lru[1, 0, :192].tolist() == list(range(64, 192)) + list(range(64))
-    assert s.lru[0, 0, :64].tolist() == list(range(64))
-    s.check_invariants()
-    assert s.release(0) == 64
-    assert alloc.available_size() == start[0]
-    assert {n: a.available_size() for n, a in extra.items()} == start[1]
-    assert bool((s.out_cache_loc_sparse == -1).all()) and bool((s.num_slots == 0).all())
-    s.check_invariants()
-
-
-def test_per_layer_budgets_all_or_nothing_when_own_rows_run_out():
-    s, alloc, extra, _ = _budget_state(extra_pages=2)
-    assert s.admit(0, 500)  # takes both pages of the 192-budget group's own rows
-    assert s.can_admit(64) and not s.can_admit(65)
-    before = _snapshot(s)
-    free = alloc.available_size(), extra[128].available_size()
-    assert s.admit(1, 500) is False  # base rows free, but no own rows for the 192 group
-    assert _same(before, _snapshot(s))
-    assert (alloc.available_size(), extra[128].available_size()) == free
-    assert s.admit(1, 64)  # base only
-    before = _snapshot(s)
-    assert s.grow(1, 200) is False and _same(before, _snapshot(s))
-    assert s.num_slots[:, 1].tolist() == [64, 64, 64]
-    s.check_invariants()
-    rows = s.mark_resident(1, torch.tensor([7, 8]))
-    assert torch.equal(rows, s.out_cache_loc_sparse[1, 1, :2])  # base rows: every group's
-    s.check_invariants()
-    for r in (0, 1):
-        s.release(r)
-    assert bool((s.loc_to_slot == -1).all())
-
-
-def test_per_layer_budgets_need_their_allocators():
-    alloc = make_allocator(4)
-    with pytest.raises(ValueError, match="need one for each"):
-        SparseCacheState(2, 64, 2, [64, 128], 32, alloc, "cpu")
-    with pytest.raises(ValueError, match="2 slot budgets for 3 layers"):
-        SparseCacheState(3, 64, 2, [64, 128], 32, alloc, "cpu", {128: make_allocator(2)})
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_per_layer_budgets_real_traffic_leak_free(seed):
-    w = run_trace(
-        seed,
-        plan_layer_ref,
-        steps=6,
-        num_layers=3,
-        max_ctx=300,
-        buffer_slots=[64, 128, 64],
-        pool_pages=14,
-    )
-    assert w.stats["misses"] > 0 and w.stats["evictions"] > 0
-    for r in list(w.reqs):
-        w.release(r)
-    assert w.free_counts() == w.free_at_start
-    w.state.check_invariants()
 
 
 def test_metadata_budget():

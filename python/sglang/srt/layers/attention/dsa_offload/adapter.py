@@ -53,11 +53,6 @@ class DSAOffloadAdapter:
             default the device's highest, so that its programs take SMs as the layer's compute
             kernels release them instead of queueing behind them (benchmark/kv_offload/
             bench_exposed.py --prefetch-stream-priority compares).
-        prefetch_stream: the stream of the prefetch's load, e.g. one on an SM partition (a green
-            context, ``kv_offload/sm_partition.py``); its plan stays on the priority stream, on
-            every SM. Planned on a partition of 8-32 SMs (one program per request), the plan was
-            what held the prefetch back: with it on every SM the exposed time at bs 64 / 128 fell
-            from 0.57x / 0.74x HiSparse's to 0.47-0.52x / 0.57x (``bench_exposed.py``, H200).
         prefetch_max_bs: batches of more requests (the padded CUDA-graph batch size) skip the
             prefetch; 0: none does. A batch's decision is fixed by its shape, so each captured
             graph either always or never prefetches.
@@ -67,7 +62,6 @@ class DSAOffloadAdapter:
         self,
         coordinator: KVOffloadCoordinator,
         prefetch_stream_priority: Optional[int] = None,
-        prefetch_stream: Optional[torch.cuda.Stream] = None,
         prefetch_max_bs: int = 0,
     ) -> None:
         self.coordinator = coordinator
@@ -81,18 +75,17 @@ class DSAOffloadAdapter:
         self._prefetch_topk = (
             None if ws is None else ws.out_indices.new_full((ws.max_bs, ws.topk), -1)
         )
-        self._plan_stream = self._load_stream = None  # CPU: the prefetch runs in order
+        self._side_stream = None  # CPU: the prefetch runs in order
         if ws is not None and device.type == "cuda":
             if prefetch_stream_priority is None:
                 prefetch_stream_priority = torch.cuda.Stream.priority_range()[1]
-            self._plan_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
-            self._load_stream = self._plan_stream if prefetch_stream is None else prefetch_stream
-        on_cuda = self._plan_stream is not None
+            self._side_stream = torch.cuda.Stream(device, priority=prefetch_stream_priority)
+        on_cuda = self._side_stream is not None
         self._prefetch_planned = torch.cuda.Event() if on_cuda else None
         self._prefetch_done = torch.cuda.Event() if on_cuda else None
         self._prefetch_in_flight = False
         self._overlaps_prefetch_load = ws is not None and _victims_avoid_prefetch(
-            coordinator.sparse_cache.base_slots, ws.topk
+            coordinator.sparse_cache.max_slots, ws.topk
         )
 
     def wait_for_pending_backup(self) -> None:
@@ -180,23 +173,20 @@ class DSAOffloadAdapter:
         """Plan and load ``guess`` (the previous layer's top-k, written by its plan) into
         ``layer_id``."""
         workspace = self.coordinator.prefetch_workspace
-        if self._plan_stream is None:  # CPU: in order
+        if self._side_stream is None:  # CPU: in order
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
             self._load(plan, layer_id, prefetch=True)
             return
-        self._plan_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._plan_stream):
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
             plan = self._plan(req_pool_indices, guess, layer_id, workspace)
             self._prefetch_planned.record()
-        if self._load_stream is not self._plan_stream:
-            self._load_stream.wait_stream(self._plan_stream)
-        with torch.cuda.stream(self._load_stream):
             self._load(plan, layer_id, prefetch=True)
             self._prefetch_done.record()
         self._prefetch_in_flight = True
 
 
-def _victims_avoid_prefetch(least_budget: int, topk: int) -> bool:
+def _victims_avoid_prefetch(max_slots: int, topk: int) -> bool:
     """Whether a layer's plan can run while the prefetch's load into that layer is in flight.
 
     The prefetch loads at most ``topk`` rows into slots it moves to the most recent end of the LRU;
@@ -204,8 +194,7 @@ def _victims_avoid_prefetch(least_budget: int, topk: int) -> bool:
     hits. With ``n`` slots, at least ``n - topk`` slots outside the prefetch's loads are evictable
     beside the hits, so ``n >= 2 * topk`` keeps every victim out of the prefetch's in-flight rows.
     A request holding fewer slots holds its whole context (``slots_for``): its victims are empty
-    slots, which precede every loaded one. So a bound on each layer's budget suffices: on the
-    smallest of the per-layer budgets. (A request whose slots could not grow with its context is
-    failed at that step by the coordinator.)
+    slots, which precede every loaded one. So the bound on the largest grant suffices. (A request
+    whose slots could not grow with its context is failed at that step by the coordinator.)
     """
-    return least_budget >= 2 * topk
+    return max_slots >= 2 * topk

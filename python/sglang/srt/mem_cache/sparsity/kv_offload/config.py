@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 from sglang.srt.configs.model_config import (
     get_dsa_index_kpool,
@@ -64,27 +64,15 @@ class KVOffloadConfig:
         prefetch_next_layer: while a layer computes, plan and load its top-k for the next
             layer on a side stream (adjacent layers select mostly the same tokens), so the next
             layer's own plan loads only what the guess missed.
-        prefetch_sms: 0 (default): the prefetch runs on an ordinary stream at the device's
-            highest priority; N > 0: its load runs on a partition of at least N SMs of its own
-            (a CUDA green context, ``sm_partition.py``) with the miss load's launch shape, so it
-            overlaps the layer's compute instead of waiting for SMs (its plan stays on the
-            priority stream, on every SM). Needs
-            ``prefetch_next_layer`` and a CUDA 12.4+ driver; the compute keeps every SM.
         prefetch_max_bs: 0 (default): every decode batch prefetches; N > 0: only batches of at
             most N requests (as CUDA graphs pad them) do, larger ones load their misses in their
             own layer only. Where the layer's compute is too short to hide the rows a guess
-            moves (large batches), the prefetch costs more than it saves (docs/kv_offload.md,
-            "An SM partition for the prefetch"). Needs ``prefetch_next_layer``.
+            moves (large batches), the prefetch costs more than it saves (measured with
+            ``bench_exposed.py``, in the tree at ea8f521; benchmark/kv_offload/JOURNAL.md).
+            Needs ``prefetch_next_layer``.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
-        layer_slots_per_req: per-layer slot budgets, one per layer (multiples of 64, each at
-            least the model's ``index_topk``), summing to at most ``layers x
-            sparse_slots_per_req``: the same GPU KV bytes split by layer, e.g. from measured hit
-            curves (``benchmark/kv_offload/bench_layer_budgets.py --emit-config``). Every layer
-            shares the smallest budget's rows (the physical pool is sized for it); a layer with
-            a larger budget holds its extra slots in rows of its own. Unset: every layer has
-            ``sparse_slots_per_req``.
     """
 
     sparse_slots_per_req: int = 4096
@@ -96,10 +84,8 @@ class KVOffloadConfig:
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
     prefetch_next_layer: bool = False
-    prefetch_sms: int = 0
     prefetch_max_bs: int = 0
     share_host_pool: bool = True
-    layer_slots_per_req: Optional[Tuple[int, ...]] = None
 
     @classmethod
     def from_json(cls, text: Optional[Union[str, Dict[str, Any]]]) -> "KVOffloadConfig":
@@ -190,15 +176,6 @@ class KVOffloadConfig:
             f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0: one strided pass)",
         )
         _require(
-            self.prefetch_sms >= 0,
-            f"prefetch_sms={self.prefetch_sms} must be >= 0 (0: an ordinary prefetch stream)",
-        )
-        _require(
-            self.prefetch_sms == 0 or self.prefetch_next_layer,
-            f"prefetch_sms={self.prefetch_sms} sizes the cross-layer prefetch's SM partition, "
-            'which is off; add "prefetch_next_layer": true or drop prefetch_sms',
-        )
-        _require(
             self.prefetch_max_bs >= 0,
             f"prefetch_max_bs={self.prefetch_max_bs} must be >= 0 (0: every batch size)",
         )
@@ -207,49 +184,10 @@ class KVOffloadConfig:
             f"prefetch_max_bs={self.prefetch_max_bs} limits the cross-layer prefetch, which is "
             'off; add "prefetch_next_layer": true or drop prefetch_max_bs',
         )
-        if self.layer_slots_per_req is not None:
-            self._check_layer_slots(index_topk)
         _require(
             self.status_log_interval >= 0,
             f"status_log_interval={self.status_log_interval} must be >= 0 (0 turns it off)",
         )
-
-    def _check_layer_slots(self, index_topk: Optional[int]) -> None:
-        slots = self.layer_slots_per_req
-        _require(
-            len(slots) > 0, "layer_slots_per_req is empty; give one budget per layer or drop it"
-        )
-        floor = max(index_topk or 0, PAGE_SIZE)
-        bad = [
-            (i, n)
-            for i, n in enumerate(slots)
-            if n % PAGE_SIZE or n < floor or n > MAX_SLOTS_PER_REQ
-        ]
-        _require(
-            not bad,
-            f"layer_slots_per_req has budgets {bad[:4]} (layer, slots) that are not multiples of "
-            f"{PAGE_SIZE} in [{floor}, {MAX_SLOTS_PER_REQ // PAGE_SIZE * PAGE_SIZE}] (a layer's "
-            "budget must hold its whole top-k)",
-        )
-        total = len(slots) * self.sparse_slots_per_req
-        _require(
-            sum(slots) <= total,
-            f"layer_slots_per_req sums to {sum(slots)} slots, more than the {len(slots)} layers x "
-            f"sparse_slots_per_req={self.sparse_slots_per_req} = {total} it splits; lower some "
-            "budgets or raise sparse_slots_per_req",
-        )
-
-    def layer_slots(self, num_layers: int) -> Tuple[int, ...]:
-        """Each layer's slot budget per request (``sparse_slots_per_req`` for every layer unless
-        ``layer_slots_per_req`` is set, which must then list ``num_layers`` budgets)."""
-        if self.layer_slots_per_req is None:
-            return (self.sparse_slots_per_req,) * num_layers
-        _require(
-            len(self.layer_slots_per_req) == num_layers,
-            f"layer_slots_per_req lists {len(self.layer_slots_per_req)} budgets but the model has "
-            f"{num_layers} layers with a KV cache; give one per layer",
-        )
-        return self.layer_slots_per_req
 
 
 def _no_duplicate_keys(pairs) -> Dict[str, Any]:
@@ -274,15 +212,6 @@ def _require(ok: bool, message: str) -> None:
 
 def _coerce(key: str, value: Any, type_name: Any) -> Any:
     type_name = getattr(type_name, "__name__", type_name)
-    if type_name == "Optional[Tuple[int, ...]]":
-        if isinstance(value, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            return tuple(value)
-        raise KVOffloadConfigError(
-            f"--kv-offload-config: {key} must be a JSON list of ints (one per layer), got "
-            f"{json.dumps(value)}."
-        )
     if type_name == "bool":
         if isinstance(value, bool):
             return value
@@ -346,7 +275,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "model."
         )
     config.check(index_topk=get_dsa_index_topk(hf_config))
-    config.layer_slots(hf_config.num_hidden_layers)  # one budget per layer, if budgets are given
     kpool = get_dsa_index_kpool(hf_config)
     if kpool != 1:
         _reject(
@@ -395,11 +323,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "pin_host_memory=false on CUDA: the per-layer loads read the host pool directly from "
             "the GPU (zero-copy), which needs pinned memory. Drop pin_host_memory from "
             "--kv-offload-config."
-        )
-    if config.prefetch_sms and cfg.device != "cuda":
-        _reject(
-            f"prefetch_sms={config.prefetch_sms} on --device {cfg.device}: an SM partition is a "
-            "CUDA green context. Drop prefetch_sms from --kv-offload-config."
         )
     if cfg.pp_size > 1:
         _reject(

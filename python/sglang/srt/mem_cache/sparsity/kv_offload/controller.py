@@ -82,7 +82,6 @@ class KVOffloadCacheController:
         load_config: Optional[CopyLaunchConfig] = None,
         backup_config: Optional[CopyLaunchConfig] = None,
         group_load_config: Optional[CopyLaunchConfig] = None,
-        prefetch_load_config: Optional[CopyLaunchConfig] = None,
         debug: bool = _DEBUG,
     ):
         pool: KVOffloadDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
@@ -108,7 +107,7 @@ class KVOffloadCacheController:
         self.allocator = token_to_kv_pool_allocator
         dev = torch.device(pool.device)
         self.load_config = load_config or default_load_launch_config(dev)
-        self.prefetch_load_config = prefetch_load_config or default_prefetch_launch_config(dev)
+        self.prefetch_load_config = default_prefetch_launch_config(dev)
         self.backup_config = backup_config or default_backup_launch_config(dev)
         self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug

@@ -137,39 +137,23 @@ class KVOffloadCoordinator:
     # ------------------------------------------------------------------ admission control
     @property
     def rows_promised(self) -> int:
-        """Shared physical rows a request may come to hold: its most shared sparse slots + 2 tail
-        pages (the unit the physical pool is sized in; per-layer budgets' own rows are sized for
-        every running request apart)."""
-        return self.sparse_cache.base_slots + 2 * self.page_size
+        """Physical rows a request may come to hold: its most sparse slots + 2 tail pages (the
+        unit the physical pool is sized in)."""
+        return self.sparse_cache.max_slots + 2 * self.page_size
 
     def unreserved_physical_rows(self) -> int:
         """Free physical rows minus what live requests are promised and do not hold as slots yet.
 
         Conservative: tail rows a request holds are not subtracted from its promise.
         """
-        held = self.sparse_cache.shared_slots_held
-        owed = sum(max(0, self.rows_promised - held(r)) for r in self.reservations)
+        held = self.sparse_cache.num_slots_cpu
+        owed = sum(max(0, self.rows_promised - int(held[r])) for r in self.reservations)
         return self.allocator.physical_available_size() - owed
 
     def can_reserve(self, staging_rows: int) -> bool:
         """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
         its rows without touching rows promised to live requests."""
-        return (
-            self.unreserved_physical_rows() >= staging_rows + self.rows_promised
-            and self.own_rows_unreserved(1)
-        )
-
-    def own_rows_unreserved(self, new_requests: int) -> bool:
-        """Whether ``new_requests`` more requests can be promised every budget group's own rows
-        (per-layer slot budgets; always true with one budget) beside what live requests are
-        promised and do not hold yet."""
-        sparse = self.sparse_cache
-        for budget, rows in sparse.extra_allocators.items():
-            full = budget - sparse.base_slots
-            owed = sum(full - sparse.own_rows_held(r, budget) for r in self.reservations)
-            if rows.available_size() - owed < new_requests * full:
-                return False
-        return True
+        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised
 
     def reserve(self, req_pool_idx: int) -> None:
         """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""
@@ -440,7 +424,7 @@ class KVOffloadCoordinator:
             "host_pending_free": self.allocator.host_pending_free,
             "requests": len(self.requests),
             "promised": len(self.reservations),
-            "sparse_slots_held": self.sparse_cache.shared_slots_total(),
+            "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
             "backups_in_flight": len(self.controller.inflight),
             "host_pool": self.controller.host_pool_info(),
             "decode_steps": self.decode_steps,

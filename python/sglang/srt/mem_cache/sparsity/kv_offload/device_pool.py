@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
-from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
@@ -98,31 +96,26 @@ def split_gpu_budget(
     page_size: int = PAGE_SIZE,
     *,
     index_row_bytes: int,
-    layer_rows: int = 0,
 ) -> OffloadPoolSizing:
     """Split a GPU byte budget into (logical tokens, physical slots).
 
-    Physical rows cost ``row_bytes * num_layers`` each, and ``layer_rows`` rows of single layers
-    (per-layer slot budgets' own rows, summed over layers) ``row_bytes`` each; every remaining
-    byte goes to logical tokens at ``index_row_bytes * num_layers`` each (what is really allocated
-    per token once the KV is on the host: index keys plus LRU state). Both counts are page aligned. Upstream
+    Physical rows cost ``row_bytes * num_layers`` each; every remaining byte goes to logical tokens
+    at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
+    the host: index keys plus LRU state). Both counts are page aligned. Upstream
     ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token, which overstates
     an offloaded token's cost by ~6x.
     """
     physical_slots = -(-physical_slots // page_size) * page_size
-    kv_bytes = (
-        physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers) + layer_rows * row_bytes
-    )
+    kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
     per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes)
     left = budget_bytes - kv_bytes
     logical = max(0, left) // per_logical // page_size * page_size
     if logical < page_size:
         raise ValueError(
             f"kv_offload GPU budget of {budget_bytes / 1e9:.3f} GB is too small: {physical_slots} "
-            f"physical KV slots ({row_bytes} B x {num_layers} layers each) and {layer_rows} rows "
-            f"of single layers take {kv_bytes / 1e9:.3f} GB, leaving no room for a page of index "
-            f"keys ({per_logical} B/token). Lower the sparse slots per request or "
-            "max_running_requests, or raise --mem-fraction-static"
+            f"physical KV slots take {kv_bytes / 1e9:.3f} GB ({row_bytes} B x {num_layers} layers "
+            f"each), leaving no room for a page of index keys ({per_logical} B/token). Lower the "
+            "sparse slots per request or max_running_requests, or raise --mem-fraction-static"
         )
     return OffloadPoolSizing(
         logical_tokens=logical,
@@ -142,9 +135,7 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
 
     Upstream ``HiSparseDSATokenToKVPool`` ties the two with an integer ratio; here they are sized
     independently (see :func:`split_gpu_budget`). KV reads and writes by logical loc are translated
-    through the HiSparse mapping (inherited). With per-layer slot budgets, layer ``l``'s KV buffer
-    has ``layer_extra_rows[l]`` rows past the shared ones (rows ``physical_size + page_size`` on):
-    its budget group's own sparse slots.
+    through the HiSparse mapping (inherited).
     """
 
     def __init__(
@@ -164,11 +155,7 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         end_layer: Optional[int] = None,
         tail_extra_slots: int = 0,
         max_running_requests: Optional[int] = None,
-        layer_extra_rows: Sequence[int] = (),
     ):
-        if layer_extra_rows and len(layer_extra_rows) != layer_num:
-            raise ValueError(f"{len(layer_extra_rows)} extra row counts for {layer_num} layers")
-        self.layer_extra_rows = tuple(layer_extra_rows) or (0,) * layer_num
         for name, n in (("physical_size", physical_size), ("logical_size", logical_size)):
             if n <= 0 or n % page_size != 0:
                 raise ValueError(
@@ -199,23 +186,6 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         self.logical_size = logical_size
         self.loc_to_host: Optional[torch.Tensor] = None
         self.row_views: List[RowView] = [RowView(buf) for buf in self.kv_buffer]
-
-    def _create_buffers(self) -> None:
-        """Upstream's per-layer KV buffers (padding page included), each with its layer's extra
-        rows; allocated as upstream does (memory-saver region, custom pool)."""
-        custom = self.custom_mem_pool
-        with (
-            self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE),
-            torch.cuda.use_mem_pool(custom) if custom else nullcontext(),
-        ):
-            self.kv_buffer = [
-                torch.zeros(
-                    (self.size + self.page_size + extra, 1, self.kv_cache_dim),
-                    dtype=self.store_dtype,
-                    device=self.device,
-                )
-                for extra in self.layer_extra_rows
-            ]
 
     @property
     def row_bytes(self) -> int:
@@ -252,10 +222,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     * ``alloc_decode`` also gives each new token a physical row (the decode tail lives on the GPU
       until its page is complete and backed up);
     * ``free`` also returns the host slots of the freed logical pages (page granular, like the
-      device allocators), so finish / abort / retract through the ordinary free path leak nothing;
-    * with per-layer slot budgets, ``layer_row_allocators[budget]`` grants the rows a budget
-      group's layers hold past the shared pool (``layer_rows[budget]`` of them; the sparse cache
-      takes and returns them).
+      device allocators), so finish / abort / retract through the ordinary free path leak nothing.
 
     ``kv_offload`` is the server's :class:`~.hooks.KVOffloadHooks`, set by
     ``runtime.init_offload``: upstream's hooks reach kv offload through the allocator they
@@ -273,7 +240,6 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         device: str,
         kvcache: KVOffloadDSATokenToKVPool,
         need_sort: bool,
-        layer_rows: Optional[Mapping[int, int]] = None,
     ):
         # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space by a ratio.
         self._kvcache = kvcache
@@ -294,10 +260,6 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.hisparse_attn_allocator = paged_cls(
             physical_size, page_size, dtype, device, kvcache, need_sort
         )
-        self.layer_row_allocators = {
-            budget: paged_cls(rows, page_size, dtype, device, kvcache, need_sort)
-            for budget, rows in sorted((layer_rows or {}).items())
-        }
         # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
         self.full_to_hisparse_device_index_mapping = torch.cat(
             [
@@ -364,8 +326,6 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         }
         if self.host_pool is not None:
             out["host"] = self.host_pool.available_size()
-        for budget, a in self.layer_row_allocators.items():
-            out[f"layer_rows_{budget}"] = a.available_size()
         return out
 
     # ------------------------------------------------------------------ allocation
@@ -605,8 +565,6 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     def clear(self):
         super().clear()
-        for a in self.layer_row_allocators.values():
-            a.clear()
         if self.loc_to_host is not None:
             self.loc_to_host.fill_(-1)
 

@@ -21,15 +21,7 @@ GAUGES = {
         "Free GPU KV rows (sparse slots, decode tails, prompt staging).",
         lambda s: s["free"]["physical"],
     ),
-    "sparse_slots_used": (
-        "GPU sparse slots held by requests, in the shared rows.",
-        lambda s: s["sparse_slots_held"],
-    ),
-    "layer_rows_free": (
-        "Free GPU KV rows of the per-layer slot budgets' own pools, summed over budgets "
-        "(layer_slots_per_req; 0 without).",
-        lambda s: sum(v for k, v in s["free"].items() if k.startswith("layer_rows_")),
-    ),
+    "sparse_slots_used": ("GPU sparse slots held by requests.", lambda s: s["sparse_slots_held"]),
     "backups_in_flight": (
         "Page backups device -> host not yet complete.",
         lambda s: s["backups_in_flight"],

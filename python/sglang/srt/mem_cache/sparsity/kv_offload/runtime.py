@@ -36,12 +36,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
 from sglang.srt.mem_cache.sparsity.kv_offload.shared_host import NodeSharedHostAllocator
-from sglang.srt.mem_cache.sparsity.kv_offload.sm_partition import SmPartition, SmPartitionError
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
-    default_group_launch_config,
-    default_load_launch_config,
-)
+from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 from sglang.srt.runtime_context import (
     get_exec,
     get_memory,
@@ -99,30 +95,28 @@ def build_device_pool(
     page = pool_kwargs["page_size"]
     budget = size * (row + index_row) * layers
     staging = max(model_config.context_len, get_schedule().chunked_prefill_size or 0)
-    # Every layer holds the smallest budget's slots in the shared rows; a layer with a larger
-    # budget holds the rest, for every running request, in rows of its own.
-    layer_slots = config.layer_slots(layers)
-    base = min(layer_slots)
-    layer_extra_rows = [max_running * (n - base) for n in layer_slots]
-    physical = config.sparse_pool_slots or physical_slots_needed(max_running, base, staging, page)
+    physical = config.sparse_pool_slots or physical_slots_needed(
+        max_running, config.sparse_slots_per_req, staging, page
+    )
     if config.pd_direct_to_host:
         # admit_from_host must always find every running request's slots and tail pages.
-        floor = physical_slots_needed(max_running, base, 0, page)
+        floor = physical_slots_needed(max_running, config.sparse_slots_per_req, 0, page)
         if physical < floor:
             raise KVOffloadConfigError(
                 f"--kv-offload-config: sparse_pool_slots={physical} is too small for "
-                f"pd_direct_to_host: {max_running} requests x ({base} shared sparse slots + 2 "
-                f"tail pages) need {floor}. Set it to 0 (auto) or at least {floor}."
+                f"pd_direct_to_host: {max_running} requests x (sparse_slots_per_req="
+                f"{config.sparse_slots_per_req} + 2 tail pages) need {floor}. Set it to 0 (auto) "
+                f"or at least {floor}."
             )
     # Otherwise any prompt the server accepts must be able to stage in GPU rows beside one
     # request's promise (sparse slots + 2 tail pages), or it would wait for ever.
-    elif physical < physical_slots_needed(1, base, staging, page):
-        floor = physical_slots_needed(1, base, staging, page)
+    elif physical < physical_slots_needed(1, config.sparse_slots_per_req, staging, page):
+        floor = physical_slots_needed(1, config.sparse_slots_per_req, staging, page)
         raise KVOffloadConfigError(
             f"--kv-offload-config: sparse_pool_slots={physical} cannot stage a prompt of the "
-            f"context length ({staging} tokens) beside one request's sparse slots ({base} "
-            f"shared slots + 2 tail pages): it needs at least {floor}. Set it to 0 (auto), at "
-            f"least {floor}, or lower --context-length."
+            f"context length ({staging} tokens) beside one request's sparse slots "
+            f"(sparse_slots_per_req={config.sparse_slots_per_req} + 2 tail pages): it needs at "
+            f"least {floor}. Set it to 0 (auto), at least {floor}, or lower --context-length."
         )
     sizing = split_gpu_budget(
         budget,
@@ -131,15 +125,10 @@ def build_device_pool(
         physical,
         page,
         index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
-        layer_rows=sum(layer_extra_rows),
     )
     pool = KVOffloadDSATokenToKVPool(
-        physical_size=sizing.physical_slots,
-        logical_size=sizing.logical_tokens,
-        layer_extra_rows=layer_extra_rows,
-        **pool_kwargs,
+        physical_size=sizing.physical_slots, logical_size=sizing.logical_tokens, **pool_kwargs
     )
-    pool.layer_slots = layer_slots
     pool.offload_config = config
     pool.offload_sizing = sizing
     return pool
@@ -157,8 +146,6 @@ def build_allocator(pool: KVOffloadDSATokenToKVPool, need_sort: bool):
         pool.device,
         pool,
         need_sort,
-        # The layers of one budget hold the same number of own rows.
-        layer_rows={n: extra for n, extra in zip(pool.layer_slots, pool.layer_extra_rows) if extra},
     )
 
 
@@ -188,27 +175,12 @@ def init_offload(runner) -> None:
     if config.h2d_programs_per_req:
         base = default_group_launch_config(torch.device(runner.device))
         group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
-    prefetch_partition = None
-    if config.prefetch_sms:
-        try:
-            prefetch_partition = SmPartition(config.prefetch_sms, torch.device(runner.device))
-        except SmPartitionError as exc:
-            raise KVOffloadConfigError(f"--kv-offload-config prefetch_sms: {exc}") from None
-        logger.info(
-            "kv offload: the cross-layer prefetch runs on %d SMs of its own (prefetch_sms=%d)",
-            prefetch_partition.sms,
-            config.prefetch_sms,
-        )
     controller = KVOffloadCacheController(
         allocator,
         host,
         # Backup completion counts are agreed over the CPU (gloo) group, as upstream HiCache does.
         tp_group=tp_group.cpu_group if tp_group is not None else None,
         group_load_config=group_load_config,
-        # On its own SMs the prefetch takes the miss load's shape; beside the compute, its own.
-        prefetch_load_config=(
-            default_load_launch_config(torch.device(runner.device)) if prefetch_partition else None
-        ),
     )
     # A PD decode server's request pool has pre-allocation rows beyond ``size``; every row that can
     # reach a decode step needs LRU state.
@@ -217,13 +189,10 @@ def init_offload(runner) -> None:
         num_layers=pool.layer_num,
         num_logical_locs=allocator.full_to_hisparse_device_index_mapping.numel(),
         max_reqs=max_reqs,
-        buffer_slots=pool.layer_slots,
+        buffer_slots=config.sparse_slots_per_req,
         topk=get_dsa_index_topk(runner.model_config.hf_config),
         allocator=allocator.hisparse_attn_allocator,
         device=runner.device,
-        extra_allocators=allocator.layer_row_allocators,
-        # A budget group's own rows follow the shared rows and their padding page.
-        extra_row_offset=sizing.physical_slots,
     )
     graph_max_bs = get_exec().graph.cuda_graph_config.decode.max_bs or 0
     max_bs = max(graph_max_bs, runner.req_to_token_pool.size)
@@ -248,9 +217,7 @@ def init_offload(runner) -> None:
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, metrics)
     runner.hisparse_coordinator = DSAOffloadAdapter(
-        coordinator,
-        prefetch_stream=prefetch_partition.stream if prefetch_partition else None,
-        prefetch_max_bs=config.prefetch_max_bs,
+        coordinator, prefetch_max_bs=config.prefetch_max_bs
     )
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
@@ -258,7 +225,7 @@ def init_offload(runner) -> None:
     runner.max_total_num_tokens = allocator.available_size()
     logger.info(
         "kv offload: %d logical tokens (index %.2f GB), %d physical KV rows (%.2f GB, %d B x %d "
-        "layers), host pool %d tokens (%.2f GB), sparse slots per request: %s",
+        "layers), host pool %d tokens (%.2f GB), %d sparse slots per request",
         sizing.logical_tokens,
         sizing.index_bytes / 1e9,
         sizing.physical_slots,
@@ -267,20 +234,7 @@ def init_offload(runner) -> None:
         pool.layer_num,
         host.size,
         host.size * host.get_size_per_token() / 1e9,
-        _describe_budgets(pool.layer_slots, pool.layer_extra_rows),
-    )
-
-
-def _describe_budgets(layer_slots: Sequence[int], layer_extra_rows: Sequence[int]) -> str:
-    """``4096`` with one budget; else each budget's layer count and its own rows per layer."""
-    budgets = sorted(set(layer_slots))
-    if len(budgets) == 1:
-        return str(budgets[0])
-    own = dict(zip(layer_slots, layer_extra_rows))
-    return ", ".join(
-        f"{n} in {layer_slots.count(n)} layers"
-        + (f" (+{own[n]} own rows each)" if own[n] else " (shared rows)")
-        for n in budgets
+        config.sparse_slots_per_req,
     )
 
 
@@ -340,19 +294,15 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator = self.coordinator
         page = coordinator.page_size
 
-        def promised(r) -> bool:
-            r_idx = r.kv.req_pool_idx
-            return r_idx is not None and r_idx in coordinator.reservations
-
         def rows(r) -> int:
             # The whole rest of its prompt: chunks stay in GPU rows until the request decodes.
             staging = -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page
-            return staging + (0 if promised(r) else coordinator.rows_promised)
+            r_idx = r.kv.req_pool_idx
+            promised = r_idx is not None and r_idx in coordinator.reservations
+            return staging + (0 if promised else coordinator.rows_promised)
 
-        reqs = [req, *scheduled]
-        need = sum(rows(r) for r in reqs)
-        new = sum(not promised(r) for r in reqs)
-        if coordinator.unreserved_physical_rows() >= need and coordinator.own_rows_unreserved(new):
+        need = rows(req) + sum(rows(r) for r in scheduled)
+        if coordinator.unreserved_physical_rows() >= need:
             return True
         coordinator.stats["prefill_waits"] += 1
         return False

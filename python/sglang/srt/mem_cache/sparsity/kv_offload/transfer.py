@@ -159,11 +159,11 @@ def default_backup_launch_config(device: Optional[torch.device] = None) -> CopyL
     """Launch shape of the device -> host page backups, which run beside the decode forward.
 
     A small fixed grid: the writes are bound by the link, not by SMs, and a backup on the write
-    stream shares the GPU with the forward of every running request. On the H200
-    (``benchmark/kv_offload/probe_sm_partition.py --backups``, one run: contiguous 656 B rows,
-    8 x 49 MB) 16 programs of 4-row tiles wrote 46.8 GB/s against 47.6 for 4 programs per SM,
-    while the decode layer stand-in beside them ran 17-22 % longer instead of 2.6-3.8x
-    (bs 32 and 128). Fewer programs lose bandwidth (8: 34.5 GB/s).
+    stream shares the GPU with the forward of every running request. On the H200 (one run of the
+    backups probe of commit db87ea4: contiguous 656 B rows, 8 x 49 MB) 16 programs of 4-row tiles
+    wrote 46.8 GB/s against 47.6 for 4 programs per SM, while the decode layer stand-in beside
+    them ran 17-22 % longer instead of 2.6-3.8x (bs 32 and 128). Fewer programs lose bandwidth
+    (8: 34.5 GB/s).
     """
     if device is not None and device.type == "cuda":
         return CopyLaunchConfig(num_programs=BACKUP_PROGRAMS, rows_per_program=4, num_warps=4)
