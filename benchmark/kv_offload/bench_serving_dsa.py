@@ -117,7 +117,9 @@ def server_args(kind: str, a: argparse.Namespace) -> List[str]:
     return args + a.extra_server_args
 
 
-def bench_serving_cmd(port: int, tokenizer: str, conc: int, out_file: Path, a) -> List[str]:
+def bench_serving_cmd(
+    port: int, tokenizer: str, conc: int, out_file: Path, profile_dir: Path, a
+) -> List[str]:
     num = max(a.min_prompts, a.prompts_per_concurrency * conc)
     cmd = [
         sys.executable, "-m", "sglang.bench_serving",
@@ -133,7 +135,7 @@ def bench_serving_cmd(port: int, tokenizer: str, conc: int, out_file: Path, a) -
     ]  # fmt: skip
     if a.profile_concurrency == conc:
         cmd += ["--profile", "--profile-num-steps", str(a.profile_steps)]
-        cmd += ["--profile-activities", "CPU", "GPU"]
+        cmd += ["--profile-activities", "CPU", "GPU", "--profile-output-dir", str(profile_dir)]
     return cmd
 
 
@@ -148,6 +150,16 @@ def running_stats(log_text: str, since: int) -> Dict[str, Any]:
         "all_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
         "step_ms_median": statistics.median([x["step_ms"] for x in lines]) if lines else None,
     }
+
+
+def wait_for_log(server: Server, text: str, since: int, timeout: float) -> bool:
+    """Wait until ``text`` appears in the server's log after byte ``since``."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if text in server.log_text()[since:]:
+            return True
+        time.sleep(1.0)
+    return False
 
 
 def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
@@ -209,7 +221,7 @@ def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float)
             out_file = out_dir / f"bench_{kind}_c{conc}.jsonl"
             out_file.unlink(missing_ok=True)
             since = len(server.log_text())
-            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, a)
+            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, prof_dir, a)
             t0 = time.time()
             proc = subprocess.run(
                 cmd,
@@ -231,6 +243,8 @@ def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float)
                 point.update({k: row.get(k) for k in BENCH_KEYS})
             point.update(running_stats(server.log_text(), since))
             if a.profile_concurrency == conc:
+                # The server writes the trace after the client returns ("Profiling done").
+                wait_for_log(server, "Profiling done", since, timeout=180.0)
                 traces = sorted(glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True))
                 point["profile"] = (
                     summarize_trace(traces[-1], a.profile_steps) if traces else "no trace written"
