@@ -342,9 +342,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     def save() -> None:
         out_path.write_text(results_json(report))
 
-    for kind in [s for s in a.servers.split(",") if s]:
+    kinds = [s for s in a.servers.split(",") if s]
+    for i, kind in enumerate(kinds):
         print(f"[bench_serving_dsa] starting {kind}", flush=True)
-        report["servers"].append(run_server(kind, a, out_dir, deadline))
+        # An equal share of the time left for each server still to run, so a slow one cannot
+        # leave the last nothing.
+        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
+        report["servers"].append(run_server(kind, a, out_dir, share))
         save()
     report["summary"] = {
         s["kind"]: {
