@@ -728,3 +728,51 @@ def test_gpu_scheduler_step_and_forward_side_never_sync_the_device():
         h.coord.release(r, free_kv=True)
     h.coord.drain()
     assert h.alloc.free_counts() == h.start
+
+
+def _prompt(n, req_pool_idx=None):
+    """What the prefill gate reads of a request: its prompt and its request row, if any."""
+    from types import SimpleNamespace
+
+    kv = SimpleNamespace(req_pool_idx=req_pool_idx)
+    return SimpleNamespace(kv=kv, full_untruncated_fill_ids=[0] * n, prefix_len=0)
+
+
+def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
+    """A prompt prefilled in an earlier batch holds its request row and staged rows but no promise
+    until its first decode step admits it; the gate must count its slots too, or a later batch
+    takes the rows its slots need (seen on the H200: requests left without slots, forced backups,
+    two prompts held back a whole wave)."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
+
+    h = Harness(physical_pages=12, buffer_slots=64)
+    gate = KVOffloadRuntime(h.coord, h.r2t)
+    promise = h.coord.rows_promised  # 64 slots + 2 tail pages = 192 rows
+
+    def stage(n):  # a prefill batch: the request row and the prompt's logical + physical rows
+        r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
+        h.r2t.free_slots.remove(r)
+        seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
+        locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), n)
+        h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
+        h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
+        h.write_rows(locs, h.kv[r])
+        return r
+
+    free = h.alloc.physical_available_size()
+    a = stage(128)
+    assert h.alloc.physical_available_size() == free - 128
+    # New prompt: 128 staged + its promise + the promise of `a`, which no step admitted yet.
+    assert gate.can_stage_prefill(_prompt(128), []) == (free - 128 >= 128 + 2 * promise)
+    b = stage(128)
+    left = h.alloc.physical_available_size()
+    assert left >= 128 + promise  # what the gate saw before: it would have let this one in
+    assert left < 128 + 3 * promise and not gate.can_stage_prefill(_prompt(128), [])
+    assert h.coord.stats["prefill_waits"] == 1
+    # Their first decode step admits them (promised, slots granted, backups started); once the
+    # backups complete their staged rows are free again and the prompt fits.
+    for r in (a, b):
+        h.coord.admit(r, 128)
+    h.coord.drain()
+    assert gate.can_stage_prefill(_prompt(128), [])
+    h.finish_all()

@@ -150,10 +150,19 @@ class KVOffloadCoordinator:
         owed = sum(max(0, self.rows_promised - int(held[r])) for r in self.reservations)
         return self.allocator.physical_available_size() - owed
 
+    def can_stage(self, staging_rows: int, unpromised_requests: int) -> bool:
+        """Whether prompts staging ``staging_rows`` more GPU rows fit beside the rows live requests
+        are promised, with ``unpromised_requests`` more requests promised theirs: the new ones,
+        and those whose prompt is already staged but that no decode step has admitted yet (they
+        will ask for their slots at that step, and a request without slots cannot give its staged
+        rows back)."""
+        need = staging_rows + unpromised_requests * self.rows_promised
+        return self.unreserved_physical_rows() >= need
+
     def can_reserve(self, staging_rows: int) -> bool:
         """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
         its rows without touching rows promised to live requests."""
-        return self.unreserved_physical_rows() >= staging_rows + self.rows_promised
+        return self.can_stage(staging_rows, 1)
 
     def reserve(self, req_pool_idx: int) -> None:
         """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""

@@ -215,7 +215,7 @@ def init_offload(runner) -> None:
             "tp_rank": str(parallel.tp_rank),
         }
         metrics = KVOffloadMetrics(labels)
-    allocator.kv_offload = KVOffloadRuntime(coordinator, metrics)
+    allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
     runner.hisparse_coordinator = DSAOffloadAdapter(
         coordinator, prefetch_max_bs=config.prefetch_max_bs
     )
@@ -254,9 +254,13 @@ class KVOffloadRuntime(KVOffloadHooks):
     """
 
     def __init__(
-        self, coordinator: KVOffloadCoordinator, metrics: Optional[KVOffloadMetrics] = None
+        self,
+        coordinator: KVOffloadCoordinator,
+        req_to_token_pool,
+        metrics: Optional[KVOffloadMetrics] = None,
     ) -> None:
         self.coordinator = coordinator
+        self.req_to_token_pool = req_to_token_pool  # its rows in use: the live requests
         self.metrics = metrics  # with --enable-metrics
         self.allocator: KVOffloadTokenToKVPoolAllocator = coordinator.allocator
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
@@ -291,18 +295,22 @@ class KVOffloadRuntime(KVOffloadHooks):
         # The token budget (available_size) counts logical tokens and host slots; this gate checks
         # the GPU KV rows: the rest of the prompt stages in GPU rows until its pages are backed
         # up, and once decoding the request may hold its sparse slots and two tail pages.
+        # The whole rest of each prompt: chunks stay in GPU rows until the request decodes.
         coordinator = self.coordinator
         page = coordinator.page_size
-
-        def rows(r) -> int:
-            # The whole rest of its prompt: chunks stay in GPU rows until the request decodes.
-            staging = -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page
-            r_idx = r.kv.req_pool_idx
-            promised = r_idx is not None and r_idx in coordinator.reservations
-            return staging + (0 if promised else coordinator.rows_promised)
-
-        need = rows(req) + sum(rows(r) for r in scheduled)
-        if coordinator.unreserved_physical_rows() >= need:
+        reqs = [req, *scheduled]
+        staging = sum(
+            -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page for r in reqs
+        )
+        promised = coordinator.reservations
+        unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
+        # Requests holding a request row whose prompt is staged (prefilled, or a chunked prompt
+        # part way) but that no decode step has admitted yet; ``reqs`` are counted above.
+        pool = self.req_to_token_pool
+        live = pool.size - pool.available_size()
+        listed = {r.kv.req_pool_idx for r in unpromised if r.kv.req_pool_idx is not None}
+        staged_unadmitted = max(0, live - len(promised) - len(listed))
+        if coordinator.can_stage(staging, len(unpromised) + staged_unadmitted):
             return True
         coordinator.stats["prefill_waits"] += 1
         return False
