@@ -362,3 +362,24 @@ def test_gpu_backup_poll_and_graph_replay_of_load_one_layer(row):
             want[count:] = 0
             want[::7] = 0
             assert torch.equal(got, want), (trial, l)
+
+
+def test_poll_orders_only_when_a_backup_completes():
+    """``poll(before_complete=)`` runs the caller's ordering (the coordinator's wait for the
+    in-flight forward) before it changes any state, and only when something completes."""
+    t = Tier(656, physical=1024, logical=1024)
+    la, _ = t.admit(0, 128)
+    h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 128, tag="a")
+    gate = _Gate(h.finish_event)
+    h.finish_event = gate
+    seen = []
+
+    def before():  # state still untouched when it runs
+        seen.append((t.alloc.loc_to_host[la] == -1).all().item())
+
+    assert t.cc.poll(before_complete=before) == [] and seen == []
+    gate.open = True
+    assert t.cc.poll(before_complete=before) == [h] and seen == [True]
+    assert t.cc.poll(before_complete=before) == [] and seen == [True]
+    t.release(0, 128, "a")
+    assert t.alloc.free_counts() == t.start

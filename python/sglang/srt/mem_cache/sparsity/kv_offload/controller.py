@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
@@ -338,11 +338,12 @@ class KVOffloadCacheController:
         }
 
     # ------------------------------------------------------------------ completion
-    def poll(self) -> List[BackupHandle]:
+    def poll(self, before_complete: Optional[Callable[[], None]] = None) -> List[BackupHandle]:
         """Complete finished backups without blocking; returns the non-cancelled ones.
 
         FIFO on one stream, so the finished ones are a prefix. Under TP every rank completes the
-        same count (MIN over ranks), keeping the schedulers in lockstep.
+        same count (MIN over ranks), keeping the schedulers in lockstep. ``before_complete`` runs
+        first when at least one completes (the caller orders its state changes there).
         """
         n = 0
         for h in self.inflight:
@@ -355,6 +356,8 @@ class KVOffloadCacheController:
                 count, op=torch.distributed.ReduceOp.MIN, group=self.tp_group
             )
             n = int(count.item())
+        if n and before_complete is not None:
+            before_complete()
         return self._complete(n)
 
     def drain(self) -> List[BackupHandle]:

@@ -269,6 +269,9 @@ class KVOffloadCoordinator:
         rows they could not be given: slots that could not grow with the context, or a plan error
         flag raised by an earlier step (then every request of the step).
         """
+        # Slot growth and new backups change state the in-flight forward reads and copy rows it
+        # writes: all of it after that forward.
+        self._after_inflight_forward()
         self.poll()
         self.decode_steps += 1
         if self.status_log_interval and self.decode_steps % self.status_log_interval == 0:
@@ -310,9 +313,10 @@ class KVOffloadCoordinator:
     def poll(self) -> int:
         """Complete finished backups without blocking (every scheduler iteration, and before
         anything that reads free counts); returns how many completed. Completion frees physical
-        pages and changes the mapping an in-flight forward reads, so it is ordered after it."""
-        self._after_inflight_forward()
-        return len(self.controller.poll())
+        pages and changes the mapping an in-flight forward reads, so it is ordered after it; an
+        iteration that completes nothing changes nothing and leaves the scheduler's stream alone
+        (under the overlap scheduler that stream prepares the next batch beside the forward)."""
+        return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
     def release(self, req_pool_idx: int, free_kv: bool = False) -> bool:
         """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
