@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import PlanResult
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanResult
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import PAGE_SIZE, SparseCacheState
 
 D = 3  # int64 words per fake KV row

@@ -502,8 +502,8 @@ def test_plan_on_positions_equals_plan_on_their_locs(n_real):
     """The plan kernel's positions mode (translation through req_to_token inside the kernel,
     what the adapter uses) gives the rows, miss list, counters and LRU state that translating
     first (the reference) and planning the locs gives; padded rows resolve to nothing."""
+    from lru_ref import topk_positions_to_locs_ref
     from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanWorkspace, plan_layer
-    from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import topk_positions_to_locs_ref
 
     runs = []
     for positions_mode in (True, False):

@@ -9,7 +9,7 @@ import torch
 from _lru_sim import World, run_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import (
+from lru_ref import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
     plan_layer_ref,

@@ -7,7 +7,7 @@ import torch
 from _lru_sim import make_allocator, run_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import plan_layer_ref
+from lru_ref import plan_layer_ref
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 SETTINGS = settings(

@@ -9,11 +9,10 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     RowView,
     copy_rows,
     copy_rows_all_layers,
-    copy_rows_all_layers_ref,
-    copy_rows_ref,
     default_backup_launch_config,
     default_load_launch_config,
 )
+from transfer_ref import copy_rows_all_layers_ref, copy_rows_grouped_ref, copy_rows_ref
 
 ROW_LAYOUTS = [(656, torch.uint8), (1152, torch.bfloat16)]
 
@@ -192,10 +191,7 @@ def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
     data=st.data(),
 )
 def test_grouped_copy_matches_reference(groups, width, row_words, programs, rows_per_program, data):
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
-        copy_rows_grouped,
-        copy_rows_grouped_ref,
-    )
+    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import copy_rows_grouped
 
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     src = torch.randint(0, 256, (200, row_words * 8), dtype=torch.uint8, generator=gen)

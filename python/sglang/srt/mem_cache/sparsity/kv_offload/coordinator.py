@@ -29,10 +29,11 @@ import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES, PlanWorkspace
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import (
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
+    STAT_NAMES,
+    PlanWorkspace,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 

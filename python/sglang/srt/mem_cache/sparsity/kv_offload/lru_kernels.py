@@ -2,7 +2,8 @@
 
 One program per batch row (request), vectorised over the row's ``K`` top-k entries and its ``S``
 slots; no sort, ``O(K + S)`` work with three prefix sums. Exact semantics are specified (and
-implemented in plain torch) in :mod:`lru_ref`; the kernel equals it bit for bit.
+implemented in plain torch) by the tests' reference (``test/srt/kv_offload/lru_ref.py``); the
+kernel equals it bit for bit.
 
 Program outline (``b`` = row, ``r`` = request, ``n`` = its slots):
 
@@ -27,15 +28,28 @@ their outputs are set to -1 so a stale miss list is never replayed.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_ref import PlanResult
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
 
 logger = logging.getLogger(__name__)
+
+# Sticky error flags of a plan (PlanWorkspace.error_flags), OR-ed over every plan.
+ERR_SLOT_OVERFLOW = 1  # a request's unique misses exceeded its evictable slots
+ERR_MISS_NOT_ON_HOST = 2  # a miss had no host copy
+
+
+class PlanResult(NamedTuple):
+    out_indices: torch.Tensor  # (bs, K) int32 physical rows, -1 padded
+    miss_host: torch.Tensor  # (bs*K,) int64 host slots, per-row packed, -1 padded
+    miss_dst: torch.Tensor  # (bs*K,) int32 physical rows, same layout
+    num_misses: torch.Tensor  # (bs,) int32
+    error_flags: torch.Tensor  # (1,) int32, OR of ERR_* bits
+    miss_count: torch.Tensor  # (1,) int32 total misses (length of the compact list)
+
 
 # Indices of PlanWorkspace.stats, counters accumulated over every plan since start.
 STAT_SELECTED = tl.constexpr(0)  # valid top-k entries
@@ -279,7 +293,7 @@ def plan_layer(
 
     Returns:
         Views of the workspace: rewritten indices, per-row packed miss list (host slot, physical
-        row; -1 padded), per-row miss counts and the sticky error flags (see ``lru_ref``).
+        row; -1 padded), per-row miss counts and the sticky error flags (``ERR_*``).
     """
     bs, K = topk.shape
     positions = req_to_token is not None

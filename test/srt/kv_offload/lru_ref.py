@@ -1,4 +1,4 @@
-"""Pure-torch reference of the per-layer plan (``lru_kernels.plan_layer``), bit for bit.
+"""Test reference: the per-layer plan (``lru_kernels.plan_layer``) in plain torch, bit for bit.
 
 Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = num_slots[r]``):
 
@@ -22,22 +22,13 @@ CUDA-graph rows (``b >= num_real_reqs[0]``) get -1 outputs and never touch the s
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (  # noqa: F401
+    ERR_MISS_NOT_ON_HOST,
+    ERR_SLOT_OVERFLOW,
+    PlanResult,
+)
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
-
-ERR_SLOT_OVERFLOW = 1
-ERR_MISS_NOT_ON_HOST = 2
-
-
-class PlanResult(NamedTuple):
-    out_indices: torch.Tensor  # (bs, K) int32 physical rows, -1 padded
-    miss_host: torch.Tensor  # (bs*K,) int64 host slots, per-row packed, -1 padded
-    miss_dst: torch.Tensor  # (bs*K,) int32 physical rows, same layout
-    num_misses: torch.Tensor  # (bs,) int32
-    error_flags: torch.Tensor  # (1,) int32, OR of ERR_* bits
-    miss_count: torch.Tensor  # (1,) int32 total misses (length of the compact list)
 
 
 def _unique_first_occurrence(x: torch.Tensor) -> torch.Tensor:
