@@ -6,8 +6,8 @@
 * ``KVOffloadRuntime`` implements the interface with the interface's signatures.
 * The model-runner patch calls the three entry points of ``runtime`` with their arity.
 * Everything upstream's model side (DSA backend, model runner, CUDA-graph runner) uses on the
-  sparse-attention coordinator slot is listed in ``hooks.ATTENTION_SIDE`` and exists on
-  ``DSAOffloadAdapter``.
+  sparse-attention coordinator slot is a member of ``hooks.SparseKVCoordinator``, which both
+  ``DSAOffloadAdapter`` and upstream's ``HiSparseCoordinator`` satisfy.
 """
 
 import ast
@@ -19,7 +19,7 @@ import pytest
 import sglang
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.mem_cache.sparsity.kv_offload import device_pool, runtime
-from sglang.srt.mem_cache.sparsity.kv_offload.hooks import ATTENTION_SIDE, KVOffloadHooks
+from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks, SparseKVCoordinator
 from test_coordinator import Harness
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -117,17 +117,31 @@ def test_model_side_uses_only_what_the_adapter_provides():
                 and node.value.attr == "hisparse_coordinator"
             ):
                 used.add(node.attr)
-    assert used == set(ATTENTION_SIDE), used
+    members = {"num_real_reqs", "swap_in_selected_pages", "wait_for_pending_backup"}
+    assert (
+        set(SparseKVCoordinator.__annotations__)
+        | {n for n in vars(SparseKVCoordinator) if not n.startswith("_")}
+        >= members
+    )
+    assert used == members, used
     adapter = DSAOffloadAdapter(Harness().coord)
-    for name in ATTENTION_SIDE:
-        assert hasattr(adapter, name), name
-    signature = inspect.signature(adapter.swap_in_selected_pages)
-    assert list(signature.parameters) == [
-        "req_pool_indices",
-        "seq_lens",
-        "topk_indices",
-        "layer_id",
-    ]
+    assert isinstance(adapter, SparseKVCoordinator)
+
+
+@pytest.mark.parametrize("impl", ["kv_offload", "hisparse"])
+def test_both_coordinators_satisfy_the_protocol(impl):
+    """Upstream calls the slot positionally; each method takes the protocol's arguments."""
+    if impl == "kv_offload":
+        cls = DSAOffloadAdapter
+    else:
+        from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator as cls
+    # num_real_reqs is an instance attribute, made in __init__.
+    assert "self.num_real_reqs = " in inspect.getsource(cls.__init__)
+    for name in ("swap_in_selected_pages", "wait_for_pending_backup"):
+        want = inspect.signature(getattr(SparseKVCoordinator, name)).parameters
+        got = inspect.signature(getattr(cls, name)).parameters
+        assert len(got) == len(want), (impl, name, list(got))
+        assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in got.values()), (impl, name)
 
 
 @pytest.mark.parametrize("text, expected", [("x.kv_offload.a(b, c(d, e))", [("a", 2)])])

@@ -14,7 +14,8 @@ Every call from an upstream file into kv offload goes through one of these:
   runner's sparse-attention coordinator slot (``hisparse_coordinator``), which the model runner
   and CUDA-graph replay keep current. kv offload installs
   :class:`~sglang.srt.layers.attention.dsa_offload.adapter.DSAOffloadAdapter` there;
-  :data:`ATTENTION_SIDE` lists what upstream calls on it.
+  :class:`SparseKVCoordinator` is what upstream uses on it, which HiSparse's coordinator provides
+  too.
 
 ``test_hooks_contract.py`` checks the patch series against this file: every ``kv_offload.<name>(``
 call in a patch is a method below with the same arguments, and every attribute upstream's model
@@ -24,16 +25,42 @@ side uses on the coordinator slot exists on the adapter.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 
-# What DeepseekSparseAttnBackend, ModelRunner and DecodeCudaGraphRunner use on
-# ``forward_batch.hisparse_coordinator`` / ``model_runner.hisparse_coordinator``.
-ATTENTION_SIDE = ("num_real_reqs", "swap_in_selected_pages", "wait_for_pending_backup")
+
+@runtime_checkable
+class SparseKVCoordinator(Protocol):
+    """What upstream's DSA model side uses on its sparse-KV coordinator slot.
+
+    ``DeepseekSparseAttnBackend`` (read when built), ``ModelRunner`` and the decode CUDA-graph
+    runner use exactly these on ``model_runner.hisparse_coordinator``. Upstream's
+    ``HiSparseCoordinator`` provides them, and so does kv offload's ``DSAOffloadAdapter``;
+    ``test_hooks_contract.py`` checks both against the upstream sources. The slot's name is
+    HiSparse's: the upstream change that ends the borrowing is to name the slot for this protocol
+    (e.g. ``sparse_kv_coordinator: Optional[SparseKVCoordinator]``), which changes neither class.
+    """
+
+    num_real_reqs: torch.Tensor
+    """``(1,)`` int32 on the device: rows ``>= num_real_reqs[0]`` of a decode batch are CUDA-graph
+    padding. Set before every decode forward and graph replay."""
+
+    def swap_in_selected_pages(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        topk_indices: torch.Tensor,
+        layer_id: int,
+    ) -> torch.Tensor:
+        """One decode layer's top-k (token positions, -1 padded) -> rows of that layer's KV
+        buffer for attention (-1 kept); CUDA-graph capturable; the input is never written."""
+
+    def wait_for_pending_backup(self) -> None:
+        """Before a decode forward: wait for whatever must land before attention reads KV."""
 
 
 class KVOffloadHooks(abc.ABC):
