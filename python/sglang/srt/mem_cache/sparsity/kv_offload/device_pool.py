@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocat
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE
+from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE, KVOffloadConfig
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 from sglang.srt.platforms import current_platform
@@ -134,8 +134,14 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
     """DSA pool with ``physical_size`` KV rows and ``logical_size`` index-key tokens.
 
     Upstream ``HiSparseDSATokenToKVPool`` ties the two with an integer ratio; here they are sized
-    independently (see :func:`split_gpu_budget`). KV reads and writes by logical loc are translated
-    through the HiSparse mapping (inherited).
+    independently (see :func:`split_gpu_budget`), so its ``__init__`` is skipped for
+    ``DSATokenToKVPool``'s (upstream could take an explicit index-buffer size there instead of the
+    ratio, and this class would call it). KV reads and writes by logical loc are translated through
+    the HiSparse mapping (inherited).
+
+    ``offload_config`` and ``sizing`` are what the server built the pool from (the parsed
+    ``--kv-offload-config`` and the budget split); ``runtime`` hands them on from here to the
+    allocator and the offload set-up. Pools built directly (tests, benchmarks) may leave them out.
     """
 
     def __init__(
@@ -155,6 +161,8 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         end_layer: Optional[int] = None,
         tail_extra_slots: int = 0,
         max_running_requests: Optional[int] = None,
+        offload_config: Optional[KVOffloadConfig] = None,
+        sizing: Optional[OffloadPoolSizing] = None,
     ):
         for name, n in (("physical_size", physical_size), ("logical_size", logical_size)):
             if n <= 0 or n % page_size != 0:
@@ -185,6 +193,8 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         self.physical_size = physical_size
         self.logical_size = logical_size
         self.loc_to_host: Optional[torch.Tensor] = None
+        self.offload_config = offload_config
+        self.sizing = sizing
         self.row_views: List[RowView] = [RowView(buf) for buf in self.kv_buffer]
 
     @property
@@ -241,7 +251,9 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         kvcache: KVOffloadDSATokenToKVPool,
         need_sort: bool,
     ):
-        # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space by a ratio.
+        # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space as an integer
+        # multiple of the physical one (size * host_to_device_ratio). Taking the logical size
+        # itself there (a keyword defaulting to that product) would let this call it.
         self._kvcache = kvcache
         self._size_full = logical_size
         self._size_hisparse = physical_size

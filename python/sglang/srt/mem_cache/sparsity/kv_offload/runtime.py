@@ -126,18 +126,19 @@ def build_device_pool(
         page,
         index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
     )
-    pool = KVOffloadDSATokenToKVPool(
-        physical_size=sizing.physical_slots, logical_size=sizing.logical_tokens, **pool_kwargs
+    return KVOffloadDSATokenToKVPool(
+        physical_size=sizing.physical_slots,
+        logical_size=sizing.logical_tokens,
+        offload_config=config,
+        sizing=sizing,
+        **pool_kwargs,
     )
-    pool.offload_config = config
-    pool.offload_sizing = sizing
-    return pool
 
 
 def build_allocator(pool: KVOffloadDSATokenToKVPool, need_sort: bool):
     """``KVCacheConfigurator`` hook, where upstream builds the token allocator: the split
     allocator over :func:`build_device_pool`'s pool."""
-    sizing = pool.offload_sizing
+    sizing = pool.sizing
     return KVOffloadTokenToKVPoolAllocator(
         sizing.logical_tokens,
         sizing.physical_slots,
@@ -160,7 +161,7 @@ def init_offload(runner) -> None:
     allocator: KVOffloadTokenToKVPoolAllocator = runner.token_to_kv_pool_allocator
     pool: KVOffloadDSATokenToKVPool = allocator.get_kvcache()
     config: KVOffloadConfig = pool.offload_config
-    sizing = pool.offload_sizing
+    sizing = pool.sizing
     parallel = get_parallel()
     tp_group = parallel.tp_group if parallel.tp_size > 1 else None
     host = KVOffloadHostPool(
