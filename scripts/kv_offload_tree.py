@@ -266,9 +266,7 @@ def link_overlay(tree: Path) -> List[Path]:
     exclude = tree / ".git" / "info" / "exclude"
     lines = [f"/python/{rel}" for rel in links]
     exclude.parent.mkdir(parents=True, exist_ok=True)
-    exclude.write_text(
-        "# kv_offload overlay links\n" + "\n".join(lines) + "\n"
-    )
+    exclude.write_text("# kv_offload overlay links\n" + "\n".join(lines) + "\n")
     for rel in links:
         dst = tree / "python" / rel
         src = OVERLAY / rel
@@ -364,7 +362,9 @@ def constraint_pins(constraints: Path, names: Sequence[str]) -> List[str]:
             pins[line.split("==", 1)[0].strip().lower()] = line
     missing = [n for n in names if n not in pins]
     if missing:
-        raise TreeError(f"{constraints} pins no version for {', '.join(missing)}; add name==version")
+        raise TreeError(
+            f"{constraints} pins no version for {', '.join(missing)}; add name==version"
+        )
     return [pins[n] for n in names]
 
 
@@ -420,8 +420,13 @@ def install_tree(venv: Path, tree: Path, base: Base) -> None:
     """
     target = (tree / "python").resolve()
     site = Path(
-        run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
-        .stdout.strip()
+        run(
+            [
+                venv / "bin" / "python",
+                "-c",
+                "import sysconfig; print(sysconfig.get_path('purelib'))",
+            ]
+        ).stdout.strip()
     )
     pth = site / "kv_offload_sglang_tree.pth"
     if pth.exists() and pth.read_text().strip() == str(target):
