@@ -3,7 +3,7 @@
 Runs 0.5.23's *own* Python wrapper (``sglang/kernels/ops/kvcache/hisparse.py``, executed from the
 release's file) and JIT-builds 0.5.23's *own* CUDA source (``kernels/jit/csrc/kvcacheio/hisparse.cuh``
 with the release's ``kernels/jit/include`` headers) without importing the 0.5.23 ``sglang`` package,
-so it can sit in the same process as our patched 0.5.10 tree. Only the build plumbing is replaced:
+so it can sit in the same process as our patched 0.5.23 tree. Only the build plumbing is replaced:
 0.5.23's ``load_jit`` (which pulls in ``sglang.srt.environ``, ``msgspec`` and the sglang package) is
 swapped for a small builder that writes the same wrapper unit and the same ``build.ninja`` text that
 0.5.23's ``kernels/jit/utils/compile/{spec,ninja,toolchain}.py`` generate, runs ninja, and loads the

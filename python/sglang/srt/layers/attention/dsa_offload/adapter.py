@@ -51,8 +51,7 @@ class DSAOffloadAdapter:
             workspace and controller); the adapter only reads and plans, on the forward stream.
         prefetch_stream_priority: CUDA priority of the cross-layer prefetch's side stream; by
             default the device's highest, so that its programs take SMs as the layer's compute
-            kernels release them instead of queueing behind them (benchmark/kv_offload/
-            bench_exposed.py --prefetch-stream-priority compares).
+            kernels release them instead of queueing behind them.
         prefetch_max_bs: batches of more requests (the padded CUDA-graph batch size) skip the
             prefetch; 0: none does. A batch's decision is fixed by its shape, so each captured
             graph either always or never prefetches.

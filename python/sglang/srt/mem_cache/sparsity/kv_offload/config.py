@@ -54,7 +54,7 @@ class KVOffloadConfig:
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
         h2d_programs_per_req: 0 (default): the per-layer H2D gather is one strided pass over a
             compact miss list (``transfer.default_load_launch_config``), the faster shape with a
-            real multi-layer host pool on the H200; N > 0: a grid of ``(batch, N)`` programs, N per
+            real multi-layer host pool; N > 0: a grid of ``(batch, N)`` programs, N per
             request (faster only while the host pool is small enough for warm address translation).
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
             into the decode host pool (registered with the transfer engine), so no GPU page stages

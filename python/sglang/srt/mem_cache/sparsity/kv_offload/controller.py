@@ -136,8 +136,8 @@ class KVOffloadCacheController:
         -1 host index are skipped, and only the first ``num_valid[0]`` are read when given. With
         ``group_counts`` (one int32 count per request) the lists are per-request rows of equal width
         (the plan's row-packed miss list) and each request's rows are copied by its own programs,
-        which keeps their host pages together (faster on the H200 only while the host rows fit
-        the GPU's translation caches, about one 3 GB region). ``prefetch``: the cross-layer
+        which keeps their host pages together (faster only while the host rows fit the GPU's
+        translation caches). ``prefetch``: the cross-layer
         prefetch's load, beside the compute, with a grid that leaves it SMs. Capture-safe.
         """
         l = layer_id - self._start_layer

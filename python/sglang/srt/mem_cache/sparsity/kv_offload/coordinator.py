@@ -69,9 +69,8 @@ class KVOffloadCoordinator:
             reads, slot and row reuse) is ordered after it, as HiSparse's producer-stream waits do.
         grouped_loads: load each request's misses with its own programs (row-packed miss list and
             ``copy_rows_grouped``) instead of one strided pass over a compact list (the default).
-            Grouped is faster when the host pool is small enough for warm address translation
-            (one 2.8 GB layer: 0.40 vs 0.54 ms at bs 128); with a real multi-layer pool (82 GB)
-            the strided pass is faster (0.57 vs 0.70 ms; HiSparse 0.67). See docs/kv_offload.md.
+            Grouped is faster only while the host pool is small enough for warm address
+            translation; with a real multi-layer pool the strided pass is (JOURNAL.md).
 
     Admission control: every live request (pre-allocated for a PD transfer, or admitted) is promised
     the physical rows it may come to hold, its sparse slots for its final context plus two tail pages

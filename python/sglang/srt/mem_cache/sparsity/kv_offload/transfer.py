@@ -155,12 +155,10 @@ def default_launch_config(device: Optional[torch.device] = None) -> CopyLaunchCo
 def default_backup_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
     """Launch shape of the device -> host page backups, which run beside the decode forward.
 
-    A small fixed grid: the writes are bound by the link, not by SMs, and a backup on the write
-    stream shares the GPU with the forward of every running request. On the H200 (one run of the
-    backups probe of commit db87ea4: contiguous 656 B rows, 8 x 49 MB) 16 programs of 4-row tiles
-    wrote 46.8 GB/s against 47.6 for 4 programs per SM, while the decode layer stand-in beside
-    them ran 17-22 % longer instead of 2.6-3.8x (bs 32 and 128). Fewer programs lose bandwidth
-    (8: 34.5 GB/s).
+    A small fixed grid (``BACKUP_PROGRAMS`` programs of 4-row tiles, whatever the SM count): the
+    writes are bound by the link, not by SMs, and a backup on the write stream shares the GPU with
+    the forward of every running request, which a grid on every SM would slow. The measurements
+    behind the shape are in benchmark/kv_offload/JOURNAL.md ("Host tier").
     """
     if device is not None and device.type == "cuda":
         return CopyLaunchConfig(num_programs=BACKUP_PROGRAMS, rows_per_program=4, num_warps=4)
@@ -172,10 +170,8 @@ def default_load_launch_config(device: Optional[torch.device] = None) -> CopyLau
 
     A 61-layer pool's host rows are spread over tens of GB, so nearly every row needs a fresh
     GPU-side address translation. Many small programs (one row per tile, 128 per SM) keep the most
-    translations in flight: on the H200 at an 82 GB footprint (bs 128, 32K, 10 % churn, 656 B)
-    this shape took 0.49-0.51 ms per layer against 0.56-0.58 ms for ``default_launch_config``
-    (benchmark/kv_offload/bench_lru.py --compact-variants). The grid is capped by the index
-    capacity, so small batches launch fewer programs.
+    translations in flight (``bench_lru.py --compact-variants`` compares shapes; JOURNAL.md). The
+    grid is capped by the index capacity, so small batches launch fewer programs.
     """
     if device is not None and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -188,12 +184,9 @@ def default_prefetch_launch_config(device: Optional[torch.device] = None) -> Cop
 
     Half as many programs as SMs, each keeping a 16-row tile in flight, instead of the miss load's
     grid (:func:`default_load_launch_config`), which fills every SM until it is done: the host
-    gather is latency-bound, so its bandwidth follows the rows in flight (16 one-row programs
-    took 6.6 ms for a bs 128 layer's 61K rows), while every resident program takes room from the
-    layer's GEMMs. On the H200 (``benchmark/kv_offload/bench_exposed.py
-    --prefetch-programs-per-sm``, one run, bs 32 / 32K, realistic trace) this shape cut the
-    exposed offload time per layer to 0.232 ms against 0.295 ms without prefetch and 0.35-0.39 ms
-    for 1-4 one-row programs per SM; at bs 128 it was on par with no prefetch.
+    gather is latency-bound, so its bandwidth follows the rows in flight, while every resident
+    program takes room from the layer's GEMMs (measured with ``bench_exposed.py``, in the tree at
+    ea8f521; JOURNAL.md).
     """
     if device is not None and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -208,10 +201,9 @@ def default_prefetch_launch_config(device: Optional[torch.device] = None) -> Cop
 def default_group_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
     """Launch shape of :func:`copy_rows_grouped`; ``num_programs`` is programs *per group*.
 
-    On the H200, 2 programs per request with 32-row tiles and 16 warps was the fastest of 13 shapes
-    (bs 128, 32K context, 10 % churn, 656 B rows: 0.377 ms vs 0.41-0.47 ms for 4-8 programs of
-    smaller tiles) when the host rows fit the GPU's translation caches (one 2.75 GB region); with a
-    multi-layer footprint the strided load (:func:`default_load_launch_config`) is faster.
+    2 programs per request with 32-row tiles and 16 warps: the fastest grouped shape while the
+    host rows fit the GPU's translation caches; with a multi-layer footprint the strided load
+    (:func:`default_load_launch_config`) is faster (JOURNAL.md, ``bench_lru.py``).
     """
     if device is not None and device.type == "cuda":
         return CopyLaunchConfig(num_programs=2, rows_per_program=32, num_warps=16)
