@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE, KVOffload
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 from sglang.srt.platforms import current_platform
-from sglang.srt.utils.common import get_num_new_pages
+from sglang.srt.utils.common import ceil_align, get_num_new_pages
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def physical_slots_needed(
     Per request: its sparse slots, the decode tail page and the previous page while its backup is in
     flight. Plus ``staging_tokens`` for prompt KV that has arrived but is not yet backed up.
     """
-    per_req = -(-sparse_slots_per_request // page_size) * page_size + 2 * page_size
-    total = max_running_requests * per_req + -(-staging_tokens // page_size) * page_size
+    per_req = ceil_align(sparse_slots_per_request, page_size) + 2 * page_size
+    total = max_running_requests * per_req + ceil_align(staging_tokens, page_size)
     return total
 
 
@@ -105,7 +105,7 @@ def split_gpu_budget(
     ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token, which overstates
     an offloaded token's cost by ~6x.
     """
-    physical_slots = -(-physical_slots // page_size) * page_size
+    physical_slots = ceil_align(physical_slots, page_size)
     kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
     per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes)
     left = budget_bytes - kv_bytes
@@ -407,7 +407,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             return self.alloc_extend_to_host(num_tokens)
         page = self.page_size
         # One page more than the prompt's: its first decode token may open a new page.
-        need = -(-int(num_tokens) // page) * page
+        need = ceil_align(int(num_tokens), page)
         if need + page > min(self.logical_available_size(), self.physical_available_size()):
             return None
         logical = self.logical_attn_allocator.alloc(need)
@@ -430,7 +430,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
                 "(call register_host_pool first)"
             )
         page = self.page_size
-        need = -(-int(num_tokens) // page) * page
+        need = ceil_align(int(num_tokens), page)
         if need == 0:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
         if need > self.logical_available_size() or need > self.host_pool.available_size():

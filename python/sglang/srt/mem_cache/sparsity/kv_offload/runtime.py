@@ -46,6 +46,7 @@ from sglang.srt.runtime_context import (
     get_schedule,
     get_serving,
 )
+from sglang.srt.utils.common import ceil_align
 
 logger = logging.getLogger(__name__)
 
@@ -294,14 +295,14 @@ class KVOffloadRuntime(KVOffloadHooks):
 
     def can_stage_prefill(self, req, scheduled: Sequence) -> bool:
         # The token budget (available_size) counts logical tokens and host slots; this gate checks
-        # the GPU KV rows: the rest of the prompt stages in GPU rows until its pages are backed
-        # up, and once decoding the request may hold its sparse slots and two tail pages.
-        # The whole rest of each prompt: chunks stay in GPU rows until the request decodes.
+        # the GPU KV rows: the whole rest of each prompt stages in GPU rows (chunks included) until
+        # the request decodes and its pages are backed up, and once decoding a request may hold its
+        # sparse slots and two tail pages.
         coordinator = self.coordinator
         page = coordinator.page_size
         reqs = [req, *scheduled]
         staging = sum(
-            -(-(len(r.full_untruncated_fill_ids) - r.prefix_len) // page) * page for r in reqs
+            ceil_align(len(r.full_untruncated_fill_ids) - r.prefix_len, page) for r in reqs
         )
         promised = coordinator.reservations
         unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
@@ -352,7 +353,7 @@ class KVOffloadRuntime(KVOffloadHooks):
     def pd_can_admit(self, req) -> bool:
         fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
         page = self.coordinator.page_size
-        staging = -(-fill_len // page) * page if self._stages_on_gpu(req) else 0
+        staging = ceil_align(fill_len, page) if self._stages_on_gpu(req) else 0
         return self.coordinator.can_reserve(staging)
 
     def pd_prealloc(self, req, fill_len: int) -> Optional[torch.Tensor]:
