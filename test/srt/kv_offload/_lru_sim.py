@@ -45,8 +45,9 @@ class World:
         self.K = topk
         self.alloc = make_allocator(pool_pages)
         self.free_at_start = self.alloc.available_size()
+        # Requests are rows 1..max_reqs: row 0 is upstream's padding row, as in ReqToTokenPool.
         self.state = SparseCacheState(
-            num_layers, num_logical, max_reqs, buffer_slots, topk, self.alloc, "cpu"
+            num_layers, num_logical, max_reqs + 1, buffer_slots, topk, self.alloc, "cpu"
         )
         self.loc_to_host = torch.full((num_logical,), -1, dtype=torch.int64)
         self.loc_to_tail = torch.full((num_logical,), -1, dtype=torch.int64)
@@ -295,7 +296,7 @@ def run_trace(
         for r in list(w.reqs):
             if rng.random() < 0.1:
                 w.release(r)
-        for r in range(max_reqs):
+        for r in range(1, max_reqs + 1):
             if r not in w.reqs and rng.random() < 0.6:
                 ctx = rng.choice(
                     [1, rng.randint(2, topk)] + [rng.randint(64, max(64, max_ctx))] * 3
@@ -310,11 +311,14 @@ def run_trace(
             continue
         n_real = len(live)
         bs = max(n_real, graph_bs or n_real)
-        w.stats.update(padded_rows=bs - n_real)
-        # padded rows: stale request indices, possibly of live requests
-        rpi_list = live + [rng.randrange(max_reqs) for _ in range(bs - n_real)]
+        # Padded rows: a CUDA graph's (beyond num_real_reqs, stale request indices, possibly of
+        # live requests), or attention DP's eager padding (counted in num_real_reqs, request 0).
+        dp_padding = bs > n_real and rng.random() < 0.5
+        w.stats.update(padded_rows=bs - n_real, row0_padded_rows=(bs - n_real) * dp_padding)
+        pad = [0 if dp_padding else rng.randrange(max_reqs + 1) for _ in range(bs - n_real)]
+        rpi_list = live + pad
         rpi = torch.tensor(rpi_list, dtype=torch.int64)
-        nr = torch.tensor([n_real], dtype=torch.int32)
+        nr = torch.tensor([bs if dp_padding else n_real], dtype=torch.int32)
         for layer in range(num_layers):
             rows = [w.topk_row(r) for r in live]
             rows += [torch.randint(-1, 50, (topk,), dtype=torch.int32) for _ in range(bs - n_real)]

@@ -212,20 +212,26 @@ class TinyServer:
         return requests.get(self.url + "/server_info", timeout=60).json()
 
     def offload_state(self) -> Dict:
-        return self.server_info()["internal_states"][0]["kv_offload"]
+        return self.offload_states()[0]
+
+    def offload_states(self) -> List[Dict]:
+        """One offload state per scheduler that answers ``/server_info`` (one per attention-DP
+        rank; the first TP rank's otherwise)."""
+        return [state["kv_offload"] for state in self.server_info()["internal_states"]]
 
     def wait_no_leak(self, timeout: float = IDLE_TIMEOUT_S) -> Dict:
-        """Wait until the server is idle and every free count is back at its start value.
+        """Wait until every scheduler is idle and every free count is back at its start value.
 
-        Returns the last offload state; raises AssertionError naming what did not come back.
+        Returns the first scheduler's last offload state; raises AssertionError naming what did
+        not come back.
         """
         deadline = time.time() + timeout
         while True:
-            state = self.offload_state()
-            if state["requests"] == 0 and state["free"] == state["initial_free"]:
-                return state
+            states = self.offload_states()
+            if all(s["requests"] == 0 and s["free"] == s["initial_free"] for s in states):
+                return states[0]
             if time.time() > deadline:
-                raise AssertionError(f"kv offload free counts not back at start: {state}")
+                raise AssertionError(f"kv offload free counts not back at start: {states}")
             time.sleep(1)
 
     def max_running_seen(self) -> int:

@@ -17,7 +17,8 @@ Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = 
 
 Misses beyond the ``E`` evictable slots (contract violation: the request owns too few slots) resolve
 to -1 and set bit 0 of the error flags; a miss whose ``loc_to_host`` is -1 sets bit 1. Padded
-CUDA-graph rows (``b >= num_real_reqs[0]``) get -1 outputs and never touch the state.
+rows (``b >= num_real_reqs[0]``, or request row 0, upstream's padding row) get -1 outputs and
+never touch the state.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def plan_layer_ref(
 
     for b in range(min(int(num_real_reqs[0]), bs)):
         r = int(req_pool_indices[b])
+        if r == 0:  # upstream's padding row
+            continue
         n = int(num_slots[r])
         t = topk[b].long()
         valid = t >= 0

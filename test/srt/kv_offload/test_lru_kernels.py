@@ -113,7 +113,7 @@ def test_kernel_trace_exercises_every_path():
             w.release(r)
         assert w.alloc.available_size() == w.free_at_start
         total = w.stats if total is None else total + w.stats
-    for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows"):
+    for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows", "row0_padded_rows"):
         assert total[what] > 0, (what, total)
 
 
@@ -126,7 +126,7 @@ def _fresh_world(ctxs, topk=32, buffer_slots=64, pool_pages=8):
         buffer_slots=buffer_slots,
         pool_pages=pool_pages,
     )
-    for r, c in enumerate(ctxs):
+    for r, c in enumerate(ctxs, start=1):  # row 0 is the padding row
         assert w.add_request(r, c)
     return w
 
@@ -134,7 +134,7 @@ def _fresh_world(ctxs, topk=32, buffer_slots=64, pool_pages=8):
 def _step(w: World, plan, rows, n_real=None, compact=False):
     topk = torch.stack(rows)
     bs = topk.shape[0]
-    rpi = torch.arange(bs, dtype=torch.int64) % w.state.max_reqs
+    rpi = torch.arange(bs, dtype=torch.int64) % len(w.reqs) + 1
     nr = torch.tensor([bs if n_real is None else n_real], dtype=torch.int32)
     res = plan(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
     w.load_and_check(0, topk, rpi, int(nr[0]), res, compact=compact)
@@ -147,7 +147,7 @@ def test_empty_then_full_cache_short_requests():
     plan = lockstep(2, 32, 64, compact=False)
     rows = [
         torch.tensor(w.reqs[r][-32:] + [-1] * max(0, 32 - len(w.reqs[r])), dtype=torch.int32)[:32]
-        for r in range(2)
+        for r in (1, 2)
     ]
     r1 = _step(w, plan, rows)
     assert r1.num_misses.tolist() == [0, 32]  # request 0's 20 tokens are all tail rows
@@ -163,9 +163,25 @@ def test_all_padding_and_all_minus_one_rows():
     res = _step(w, plan, [blank, blank, blank], compact=True)
     assert int(res.miss_count[0]) == 0 and bool((res.out_indices == -1).all())
     before = w.state.slot_loc.clone()
-    rows = [torch.tensor(w.reqs[0][:32], dtype=torch.int32)] * 3
+    rows = [torch.tensor(w.reqs[1][:32], dtype=torch.int32)] * 3
     res = _step(w, plan, rows, n_real=0, compact=True)
     assert torch.equal(before, w.state.slot_loc) and int(res.miss_count[0]) == 0
+
+
+def test_rows_of_request_zero_are_padding_even_when_counted_real():
+    """Attention DP's eager decode pads a rank's batch with request row 0 (upstream's padding row)
+    and counts the padded rows in ``num_real_reqs``: those rows plan nothing, the real ones as
+    usual."""
+    w = _fresh_world([100, 100])
+    plan = lockstep(4, 32, 64, compact=True)
+    rows = [torch.tensor(w.reqs[r][:32], dtype=torch.int32) for r in (1, 2)] * 2
+    rpi = torch.tensor([1, 2, 0, 0], dtype=torch.int64)
+    nr = torch.tensor([4], dtype=torch.int32)
+    res = plan(torch.stack(rows), rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
+    w.load_and_check(0, torch.stack(rows), rpi, 2, res, compact=True)
+    assert bool((res.out_indices[:2] >= 0).all()) and bool((res.out_indices[2:] == -1).all())
+    assert res.num_misses.tolist()[2:] == [0, 0] and int(res.miss_count[0]) > 0
+    assert int(w.state.num_slots_cpu[0]) == 0 and bool((w.state.slot_loc[0, 0] == -1).all())
 
 
 def test_overflow_and_missing_host_copy_flags_match_reference():
@@ -173,10 +189,10 @@ def test_overflow_and_missing_host_copy_flags_match_reference():
     K = 128
     state = LayerState(
         loc_to_slot=torch.full((512,), -1, dtype=torch.int32),
-        slot_loc=torch.full((1, 64), -1, dtype=torch.int32),
-        lru=torch.arange(64, dtype=torch.int16)[None].clone(),
-        out_cache_loc_sparse=torch.arange(64, dtype=torch.int32)[None] + 64,
-        num_slots=torch.tensor([64], dtype=torch.int32),
+        slot_loc=torch.full((2, 64), -1, dtype=torch.int32),  # request 1 (row 0 pads)
+        lru=torch.arange(64, dtype=torch.int16).repeat(2, 1),
+        out_cache_loc_sparse=torch.arange(64, dtype=torch.int32).repeat(2, 1) + 64,
+        num_slots=torch.tensor([0, 64], dtype=torch.int32),
     )
     l2h = torch.arange(512, dtype=torch.int64)
     l2h[7] = -1
@@ -185,7 +201,7 @@ def test_overflow_and_missing_host_copy_flags_match_reference():
     topk[0, 0] = 7
     ws = PlanWorkspace(1, K, 64, device="cpu")
     shadow = _clone_state(state)
-    rpi, nr = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    rpi, nr = torch.ones(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
     ref = plan_layer_ref(topk, rpi, nr, l2h, l2t, shadow)
     got = plan_layer(topk, rpi, nr, l2h, l2t, state, ws, compact=False)
     assert int(ref.error_flags[0]) == ERR_SLOT_OVERFLOW | ERR_MISS_NOT_ON_HOST
@@ -198,9 +214,9 @@ def test_overflow_and_missing_host_copy_flags_match_reference():
 def test_topk_input_is_never_written_and_custom_output():
     w = _fresh_world([200])
     ws = PlanWorkspace(1, 32, 64, device="cpu")
-    topk = torch.tensor([w.reqs[0][:32]], dtype=torch.int32)
+    topk = torch.tensor([w.reqs[1][:32]], dtype=torch.int32)
     keep = topk.clone()
-    rpi, nr = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    rpi, nr = torch.ones(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
     shadow = _clone_state(w.state.layer(0))
     ref = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, shadow)
     out = torch.full((1, 32), 123, dtype=torch.int32)
@@ -225,15 +241,15 @@ def test_plan_writes_the_prefetch_guess(positions):
     produces is what it produces without it."""
     w = _fresh_world([200, 150], pool_pages=10)
     gen = torch.Generator().manual_seed(4)
-    r2t = torch.full((2, 256), -1, dtype=torch.int32)
-    entries = torch.full((3, 32), -1, dtype=torch.int32)  # row 2: padding (stale request 0)
-    for r in range(2):
+    r2t = torch.full((3, 256), -1, dtype=torch.int32)
+    entries = torch.full((3, 32), -1, dtype=torch.int32)  # row 2: padding (stale request 1)
+    for b, r in enumerate((1, 2)):
         locs = torch.tensor(w.reqs[r], dtype=torch.int32)
         r2t[r, : locs.numel() - 8] = locs[:-8]  # its last 8 positions map to no loc
         pick = torch.randperm(locs.numel(), generator=gen)[:28]
-        entries[r, :28] = pick.to(torch.int32) if positions else locs[pick]
+        entries[b, :28] = pick.to(torch.int32) if positions else locs[pick]
     entries[2] = 5
-    rpi = torch.tensor([0, 1, 0], dtype=torch.int64)
+    rpi = torch.tensor([1, 2, 1], dtype=torch.int64)
     nr = torch.tensor([2], dtype=torch.int32)
     r2t_arg = r2t if positions else None
     shadow = _clone_state(w.state.layer(0))
@@ -301,9 +317,9 @@ def test_gpu_cuda_graph_replay_matches_eager(compact):
 
     def make():
         alloc = PagedTokenToKVPoolAllocator(pages * 64, 64, torch.int64, dev, None, False)
-        st = SparseCacheState(L, N, R, S, K, alloc, dev)
+        st = SparseCacheState(L, N, R + 1, S, K, alloc, dev)  # requests 1..R (0 pads)
         for r, c in enumerate(ctx):
-            assert st.admit(r, c)
+            assert st.admit(r + 1, c)
         kv = torch.zeros((L, P, W), dtype=torch.int64, device=dev)
         tl_rows = l2t[l2t >= 0]
         kv[:, tl_rows] = host[torch.nonzero(l2t >= 0).flatten()]  # tail content = "its" row
@@ -330,7 +346,8 @@ def test_gpu_cuda_graph_replay_matches_eager(compact):
             rows.append(row)
         topk = torch.stack(rows).to(torch.int32)
         n_real = int(torch.randint(1, G + 1, (1,), generator=gg))
-        return topk.to(dev), reqs.to(dev), torch.tensor([n_real], dtype=torch.int32, device=dev)
+        rpi = (reqs + 1).to(dev)
+        return topk.to(dev), rpi, torch.tensor([n_real], dtype=torch.int32, device=dev)
 
     def layer_step(st, kv, ws, topk, rpi, nr, outs):
         for layer in range(L):

@@ -21,8 +21,9 @@ SETTINGS = settings(
 )
 
 
-def _tiny_state(n: int, num_locs: int = 32, req: int = 0) -> LayerState:
-    """One request owning ``n`` slots at physical rows 100..100+n-1, all empty, order 0..n-1."""
+def _tiny_state(n: int, num_locs: int = 32) -> LayerState:
+    """Request 1 owning ``n`` slots at physical rows 100..100+n-1, all empty, order 0..n-1 (row 0,
+    upstream's padding row, has the same layout: a plan must leave it alone)."""
     return LayerState(
         loc_to_slot=torch.full((num_locs,), -1, dtype=torch.int32),
         slot_loc=torch.full((2, n), -1, dtype=torch.int32),
@@ -38,7 +39,7 @@ def _plan(state, rows, num_locs=32, tails=None, host=None, n_real=None, rpi=None
     l2t = torch.full((num_locs,), -1, dtype=torch.int64)
     for loc, row in (tails or {}).items():
         l2t[loc] = row
-    rpi = torch.zeros(len(rows), dtype=torch.int64) if rpi is None else rpi
+    rpi = torch.ones(len(rows), dtype=torch.int64) if rpi is None else rpi
     nr = torch.tensor([len(rows) if n_real is None else n_real], dtype=torch.int32)
     return plan_layer_ref(topk, rpi, nr, l2h, l2t, state)
 
@@ -51,17 +52,17 @@ def test_hand_worked_lru_order_and_victims():
     assert r.miss_dst[:4].tolist() == [100, 101, -1, -1]
     assert r.num_misses.tolist() == [2] and int(r.miss_count[0]) == 2
     # empty slots 2, 3 first (LRU end), then the two new loads (MRU end)
-    assert s.lru[0].tolist() == [2, 3, 0, 1]
+    assert s.lru[1].tolist() == [2, 3, 0, 1]
     r = _plan(s, [[7, 6, 8, 9]])  # 6 hits; 7, 8 take empty slots 2, 3; 9 evicts 5 (slot 0)
     assert r.out_indices.tolist() == [[102, 101, 103, 100]]
     assert r.num_misses.tolist() == [3]
-    assert s.slot_loc[0].tolist() == [9, 6, 7, 8]
+    assert s.slot_loc[1].tolist() == [9, 6, 7, 8]
     assert int(s.loc_to_slot[5]) == -1 and int(s.loc_to_slot[9]) == 0
     # order: no untaken evictable; needed (6) keeps its place; then loads by rank 7, 8, 9
-    assert s.lru[0].tolist() == [1, 2, 3, 0]
+    assert s.lru[1].tolist() == [1, 2, 3, 0]
     r = _plan(s, [[7, 9, 10, 11]])  # evicts the two least recent not needed: 6 (slot 1), 8 (slot 3)
-    assert s.slot_loc[0].tolist() == [9, 10, 7, 11]
-    assert s.lru[0].tolist() == [2, 0, 1, 3]
+    assert s.slot_loc[1].tolist() == [9, 10, 7, 11]
+    assert s.lru[1].tolist() == [2, 0, 1, 3]
     assert int(r.error_flags[0]) == 0
 
 
@@ -70,7 +71,7 @@ def test_tail_tokens_bypass_the_cache():
     r = _plan(s, [[3, 4, 3, -1]], tails={3: 7, 4: 9})
     assert r.out_indices.tolist() == [[7, 9, 7, -1]]
     assert r.num_misses.tolist() == [0]
-    assert bool((s.loc_to_slot == -1).all()) and s.lru[0].tolist() == [0, 1, 2, 3]
+    assert bool((s.loc_to_slot == -1).all()) and s.lru[1].tolist() == [0, 1, 2, 3]
 
 
 def test_resident_loc_wins_over_its_tail_row():
@@ -151,23 +152,23 @@ def test_checks_catch_stale_hits_after_loc_reuse():
 
     rng = random.Random(0)
     w = World(rng, num_layers=1, max_reqs=2, num_logical=256, topk=32, buffer_slots=64)
-    w.add_request(0, 64)  # a full page: every token backed up, none tail
-    topk = torch.tensor([w.reqs[0][:32]], dtype=torch.int32)
-    rpi = torch.tensor([0])
+    w.add_request(1, 64)  # a full page: every token backed up, none tail
+    topk = torch.tensor([w.reqs[1][:32]], dtype=torch.int32)
+    rpi = torch.tensor([1])
     nr = torch.tensor([1], dtype=torch.int32)
     res = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
     w.load_and_check(0, topk, rpi, 1, res, compact=False)
     assert int(res.num_misses[0]) == 32
-    locs = w.reqs[0]
+    locs = w.reqs[1]
     w.state.release = lambda r: leaky_release(w, r)  # type: ignore[method-assign]
-    w.release(0)
+    w.release(1)
     w.free_locs = [x for x in w.free_locs if x not in locs] + locs[::-1]  # reuse the same locs
-    w.add_request(1, 64)
-    assert set(w.reqs[1]) == set(locs)
-    topk = torch.tensor([w.reqs[1][:32]], dtype=torch.int32)
+    w.add_request(2, 64)
+    assert set(w.reqs[2]) == set(locs)
+    topk = torch.tensor([w.reqs[2][:32]], dtype=torch.int32)
     res = plan_layer_ref(
-        topk, torch.tensor([1]), nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0)
+        topk, torch.tensor([2]), nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0)
     )
     assert int(res.num_misses[0]) == 0  # stale hits
     with pytest.raises(AssertionError, match="wrong KV content"):
-        w.load_and_check(0, topk, torch.tensor([1]), 1, res, compact=False)
+        w.load_and_check(0, topk, torch.tensor([2]), 1, res, compact=False)

@@ -55,6 +55,10 @@ S13   CPU:                                                   ``False``: a PD pre
 S14   CPU: ``Indexer._get_mqa_logits_budget_bytes`` (a     a budget of the host's memory, same
       big prefill batch's logits budget) reads the CUDA      fraction
       device's total memory
+S15   CPU: ``DeepseekSparseAttnBackend`` lacks               its CUDA-graph fill value (1): the same
+      ``get_cpu_graph_seq_len_fill_value``, which attention  seq_len for padded rows as on the GPU
+      DP's batch padding calls on the CPU (upstream CPU
+      gap)
 G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``   upstream's own ``RMSNorm.forward_native``
       (``RMSNorm.forward_cuda``)
 G2    CUDA: JIT                                              upstream's own
@@ -705,7 +709,17 @@ def _patch_mooncake_conn(module) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
 
 
+@_cpu_only
+def _patch_dsa_backend(module) -> None:
+    # S15: attention DP pads every rank's batch to a common size (``_pad_inputs_to_size``), asking
+    # the backend for the seq_len of padded rows; on the CPU it asks the CPU-graph method, which
+    # only the CPU backends define. The DSA backend's CUDA-graph value is the same padding.
+    cls = module.DeepseekSparseAttnBackend
+    cls.get_cpu_graph_seq_len_fill_value = cls.get_cuda_graph_seq_len_fill_value
+
+
 PATCHES: Dict[str, Callable] = {
+    "sglang.srt.layers.attention.dsa_backend": _patch_dsa_backend,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     # 0.5.23 module moves: nsa.index_buf_accessor -> kernels.ops.kvcache.dsa_index_k_cache,
     # nsa.triton_kernel.act_quant -> kernels.ops.quantization.act_quant_triton

@@ -257,7 +257,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
     given; resolved values (model defaults, backends) are read through ``resolved_view``.
     """
     from sglang.srt.arg_groups.overrides import model_config_of, resolved_view
-    from sglang.srt.runtime_context import attn_dp_enabled_of
 
     cfg = resolved_view(server_args)
     if not cfg.enable_kv_offload:
@@ -333,14 +332,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         _reject(
             "two-batch overlap (--enable-two-batch-overlap) is not supported yet: its two "
             "micro-batches would plan into one workspace. Drop --enable-two-batch-overlap."
-        )
-    if attn_dp_enabled_of(cfg):
-        _reject(
-            f"attention DP (--attn-dp-size {cfg.attn_dp_size}) is not supported yet: each "
-            "attention-DP rank runs its own requests, while backup completion is agreed over the "
-            "whole TP group and the host pool is shared by all TP ranks of a node. Drop it: with "
-            "plain --tp N the node's ranks share one host pool, so the host memory cost is the "
-            "same as one DP replica's."
         )
     unsupported = {
         "enable_mixed_chunk": "--enable-mixed-chunk (a mixed batch would run prefill tokens "

@@ -72,7 +72,10 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
       on CPU.
     * Its memory comes from ``tensor_allocator`` when given: a
       :class:`~.shared_host.NodeSharedHostAllocator` makes one pool per node that the node's TP
-      ranks share, only its first rank writing backups (``writes_backups``).
+      ranks (the attention-TP group's under attention DP) share, only its first rank writing
+      backups (``writes_backups``).
+    * The node's free memory must hold ``pools_on_node`` such pools (one per attention-DP rank or
+      DP replica), which are built at the same time.
 
     ``MLATokenToKVPoolHost.__init__`` is replaced (not called): it sizes the pool from device-pool
     buffer descriptors and a host/device ratio, takes its memory from an allocator named by a
@@ -92,6 +95,7 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         allocator_type: str = "default",
         host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
         tensor_allocator: Optional[HostTensorAllocator] = None,
+        pools_on_node: int = 1,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -140,7 +144,9 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 "host_pool_ratio in --kv-offload-config"
             )
         if self.writes_backups:
-            self._check_host_memory(host_size_gb, host_pool_ratio, host_reserve_bytes)
+            self._check_host_memory(
+                host_size_gb, host_pool_ratio, host_reserve_bytes, pools_on_node
+            )
 
         self.kv_buffer = self.init_kv_buffer()
         if self.pin_memory:
@@ -174,19 +180,30 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
             f", one copy for {self.shared_by_ranks} ranks" if self.shared_by_ranks > 1 else "",
         )
 
-    def _check_host_memory(self, host_size_gb, host_pool_ratio, reserve: int) -> None:
+    def _check_host_memory(
+        self, host_size_gb, host_pool_ratio, reserve: int, pools_on_node: int
+    ) -> None:
+        """The node's ``pools_on_node`` pools of this size (built at the same time, so each sees
+        the others' memory still free) must fit in its free memory together."""
         requested = self.size * self.size_per_token
         available = psutil.virtual_memory().available - reserve
-        if requested > available:
+        share = max(0, available) // pools_on_node
+        if requested > share:
             per_token = self.size_per_token
-            fit_tokens = max(0, available) // per_token
+            node = (
+                f"; {pools_on_node} pools on this node (one per attention-DP rank or DP replica) "
+                f"share it, {share / GB:.2f} GB each"
+                if pools_on_node > 1
+                else ""
+            )
             raise HostPoolSizeError(
                 f"kv_offload host pool does not fit in host memory: requested "
                 f"{requested / GB:.2f} GB ({self.size} tokens x {per_token} B/token; "
                 f"host_pool_size_gb={host_size_gb}, host_pool_ratio={host_pool_ratio}) but only "
                 f"{max(0, available) / GB:.2f} GB is free after keeping {reserve / GB:.2f} GB for "
-                f"the rest of the process. Set host_pool_size_gb <= {max(0, available) / GB:.1f} "
-                f"(about {fit_tokens} tokens) or lower host_pool_ratio in --kv-offload-config"
+                f"the rest of the process{node}. Set host_pool_size_gb <= {share / GB:.1f} "
+                f"(about {share // per_token} tokens) or lower host_pool_ratio in "
+                "--kv-offload-config"
             )
 
     # ------------------------------------------------------------------ views

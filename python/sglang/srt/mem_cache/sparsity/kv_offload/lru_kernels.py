@@ -21,8 +21,10 @@ Program outline (``b`` = row, ``r`` = request, ``n`` = its slots):
    their victims, then resolve every entry to a physical row and write the packed miss list.
 
 Everything is a fixed-shape tensor preallocated in :class:`PlanWorkspace`; no host sync, so the
-call is CUDA-graph capturable. The state of padded rows (``b >= num_real_reqs[0]``) is untouched;
-their outputs are set to -1 so a stale miss list is never replayed.
+call is CUDA-graph capturable. Padded rows (``b >= num_real_reqs[0]``, or request row 0: upstream's
+``ReqToTokenPool`` never hands row 0 out and pads batches with it, as attention DP's eager decode
+does for ranks with fewer requests) leave the state untouched; their outputs are set to -1 so a
+stale miss list is never replayed.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _plan_layer_kernel(
     row_miss = b.to(tl.int64) * K
     neg1_k = tl.full([BLOCK_K], -1, tl.int32)
     row_guess = guess_ptr + b.to(tl.int64) * guess_stride
-    if b >= n_real:
+    r = tl.load(rpi_ptr + b).to(tl.int64)
+    if (b >= n_real) | (r == 0):
         tl.store(row_out + offs_k, neg1_k, mask=kmask)
         if GUESS:
             tl.store(row_guess + offs_k, neg1_k, mask=kmask)
@@ -112,7 +115,6 @@ def _plan_layer_kernel(
             tl.store(miss_dst_ptr + row_miss + offs_k, neg1_k, mask=kmask)
         tl.store(num_miss_ptr + b, 0)
     else:
-        r = tl.load(rpi_ptr + b).to(tl.int64)
         n = tl.load(num_slots_ptr + r)
         t = tl.load(topk_ptr + b.to(tl.int64) * topk_stride + offs_k, mask=kmask, other=-1)
         entry = t  # as given (positions or locs): the prefetch guess replans these
@@ -272,7 +274,8 @@ def plan_layer(
         topk: (bs, K) int32 logical locs from the indexer, -1 padded; read only. With
             ``req_to_token``: token positions of each row's request instead (the unfused decode
             indexer's output), translated to logical locs inside the kernel.
-        req_pool_indices: (bs,) int64 request of each row (stale for padded rows).
+        req_pool_indices: (bs,) int64 request of each row (stale for padded rows); request row 0
+            is upstream's padding row, so a row of request 0 is padding too.
         num_real_reqs: (1,) int32 device tensor; rows ``>= num_real_reqs[0]`` are padding.
         loc_to_host: (N_logical,) int64 host slot per logical loc, -1 if not backed up.
         loc_to_tail: (N_logical,) int32/int64 physical tail row per logical loc; <= 0 (the

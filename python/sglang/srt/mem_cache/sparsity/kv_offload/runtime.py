@@ -6,7 +6,9 @@ calls :func:`init_offload`, which builds everything else (host pool, controller,
 coordinator), installs :class:`KVOffloadRuntime` as the allocator's ``kv_offload`` (what the
 scheduler and the PD decode queue call, see :mod:`hooks`) and the attention adapter as the model
 runner's sparse-attention coordinator (what ``DeepseekSparseAttnBackend`` calls). Each scheduler
-process (one per TP rank) has its own.
+process (one per TP rank) has its own. Under attention DP each attention-DP rank has its own
+requests, so its host pool and its backup agreement span its attention-TP group only (upstream's
+``get_dp_tp_group``, as HiSparse's coordinator).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from sglang.srt.configs.model_config import get_dsa_index_topk
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
+from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
@@ -164,14 +167,19 @@ def init_offload(runner) -> None:
     config: KVOffloadConfig = pool.offload_config
     sizing = pool.sizing
     parallel = get_parallel()
-    tp_group = parallel.tp_group if parallel.tp_size > 1 else None
+    # The ranks that run this scheduler's batches (the attention-TP group under attention DP).
+    group = get_dp_tp_group()
+    tp_group = group if group.world_size > 1 else None
+    tensor_allocator = _shared_host_allocator(config, parallel, tp_group)
+    ranks_per_pool = tensor_allocator.ranks_per_node if tensor_allocator is not None else 1
     host = KVOffloadHostPool(
         pool,
         host_size_gb=config.host_pool_size_gb,
         host_pool_ratio=0.0 if config.host_pool_size_gb > 0 else config.host_pool_ratio,
         ratio_base_tokens=sizing.logical_tokens,
         pin_memory=config.pin_host_memory and str(pool.device).startswith("cuda"),
-        tensor_allocator=_shared_host_allocator(config, parallel, tp_group),
+        tensor_allocator=tensor_allocator,
+        pools_on_node=_ranks_on_node(parallel) // ranks_per_pool,
     )
     group_load_config = None
     if config.h2d_programs_per_req:
@@ -216,6 +224,8 @@ def init_offload(runner) -> None:
             "model_name": get_serving().served_model_name,
             "tp_rank": str(parallel.tp_rank),
         }
+        if parallel.dp_rank is not None:
+            labels["dp_rank"] = str(parallel.dp_rank)
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
     runner.hisparse_coordinator = DSAOffloadAdapter(
@@ -240,10 +250,18 @@ def init_offload(runner) -> None:
     )
 
 
+def _ranks_on_node(parallel) -> int:
+    """Scheduler processes on this node: every DP replica's TP ranks."""
+    return max(1, parallel.dp_size * parallel.tp_size // max(parallel.nnodes, 1))
+
+
 def _shared_host_allocator(config: KVOffloadConfig, parallel, tp_group):
-    """The node-shared host memory of ``share_host_pool``, or None for a pool of this rank's own."""
-    ranks_per_node = parallel.tp_size // max(parallel.nnodes, 1)
-    if not config.share_host_pool or tp_group is None or ranks_per_node <= 1:
+    """The node-shared host memory of ``share_host_pool`` for the node's ranks of ``tp_group``, or
+    None for a pool of this rank's own."""
+    if not config.share_host_pool or tp_group is None:
+        return None
+    ranks_per_node = min(tp_group.world_size, parallel.tp_size // max(parallel.nnodes, 1))
+    if ranks_per_node <= 1:
         return None
     return NodeSharedHostAllocator(tp_group.cpu_group, ranks_per_node)
 
