@@ -123,6 +123,25 @@ def test_too_large_names_the_numbers_and_keys():
     assert "host_pool_size_gb" in msg and "host_pool_ratio" in msg and "--kv-offload-config" in msg
 
 
+def test_pools_of_one_node_must_fit_together(monkeypatch):
+    """Attention-DP ranks (or DP replicas) build their pools at the same time, each seeing the
+    others' memory still free: a pool that fits alone is refused when the node's pools do not."""
+    pool = device_pool()
+    probe = KVOffloadHostPool(pool, host_pool_ratio=1)
+    requested = probe.size * probe.size_per_token
+    reserve = 1 << 20
+    free = 3 * requested + reserve + 1  # three such pools fit, four do not
+
+    class Memory:
+        available = free
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=reserve, pools_on_node=3)
+    with pytest.raises(HostPoolSizeError) as ei:
+        KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=reserve, pools_on_node=4)
+    assert "4 pools on this node" in str(ei.value)
+
+
 def test_unpin_syncs_before_unregistering_and_waits_out_a_capture(monkeypatch, caplog):
     """The pinned pool's finalizer (CUDA calls replaced by recorders so it runs on CPU)."""
     calls, state = [], {"capturing": False, "rc": 0}

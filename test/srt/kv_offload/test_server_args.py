@@ -91,6 +91,23 @@ def test_fp8_kv_with_flashmla_kv_is_accepted():
     args.check_server_args()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tp", "2", "--attn-dp-size", "2"],
+        ["--tp", "2", "--dp-size", "2", "--enable-dp-attention"],  # the deprecated spelling
+    ],
+)
+def test_attention_dp_is_accepted(argv):
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.mem_cache.sparsity.kv_offload.config import validate_server_args
+
+    args = make_args("--enable-kv-offload", *argv)
+    assert resolved_view(args).attn_dp_size == 2
+    args.check_server_args()
+    validate_server_args(args)
+
+
 def test_default_bf16_backends_are_accepted():
     from sglang.srt.arg_groups.overrides import resolved_view
 
@@ -149,7 +166,6 @@ def test_hisparse_from_cli_is_rejected():
         (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
         (["--pp-size", "2"], "--pp-size 2"),
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
-        (["--tp", "2", "--attn-dp-size", "2"], "attention DP (--attn-dp-size 2)"),
         (["--disaggregation-mode", "prefill"], "decode server only"),
         (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--tp", "2", "--dcp-size", "2"], "--dcp-size 2"),
@@ -569,20 +585,27 @@ def test_documented_pd_decode_command_validates():
     args.check_server_args()
 
 
-def test_documented_colocated_tp8_command_validates():
-    """The co-located launch of docs/kv_offload.md ("Deployer's guide") passes the real checks."""
+@pytest.mark.parametrize(
+    "heading, attn_dp_size",
+    [
+        ("**Launch (co-located, one node, TP8):**", 1),
+        ("**Launch (co-located, one node, TP8 with attention DP 8):**", 8),
+    ],
+)
+def test_documented_colocated_commands_validate(heading, attn_dp_size):
+    """The co-located launches of docs/kv_offload.md ("Deployer's guide") pass the real checks."""
     import shlex
 
     docs = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "kv_offload.md")
     text = open(docs).read()
-    start = text.index("**Launch (co-located, one node, TP8):**")
+    start = text.index(heading)
     block = text[text.index("```", start) + 3 : text.index("```", text.index("```", start) + 3)]
     argv = shlex.split(block.replace("\\\n", " "))
     assert argv[:3] == ["python", "-m", "sglang.launch_server"] and "--enable-kv-offload" in argv
     argv = argv[3:]
-    argv[argv.index("--model-path") + 1] = DSA_MODEL  # offline: the tiny config, one rank
+    argv[argv.index("--model-path") + 1] = DSA_MODEL  # offline: the tiny config
     i = argv.index("--tp")
-    del argv[i : i + 2]
+    argv[i + 1] = str(attn_dp_size)  # one rank per attention-DP group, as documented
     from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
@@ -590,5 +613,6 @@ def test_documented_colocated_tp8_command_validates():
     args.resolve_once()
     view = resolved_view(args)
     assert view.enable_kv_offload and view.disaggregation_mode == "null"
+    assert view.attn_dp_size == attn_dp_size
     assert view.kv_cache_dtype == "fp8_e4m3" and view.dsa_decode_backend == "flashmla_kv"
     args.check_server_args()
