@@ -216,7 +216,7 @@ class TinyServer:
 
     def offload_states(self) -> List[Dict]:
         """One offload state per scheduler that answers ``/server_info`` (one per attention-DP
-        rank; the first TP rank's otherwise)."""
+        rank, in no set order; the first TP rank's otherwise)."""
         return [state["kv_offload"] for state in self.server_info()["internal_states"]]
 
     def wait_no_leak(self, timeout: float = IDLE_TIMEOUT_S) -> Dict:

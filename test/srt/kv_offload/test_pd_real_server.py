@@ -173,3 +173,50 @@ def test_abort_during_transfer(servers, mode):
     pair.decode.wait_no_leak()
     assert len(generate(pair.url, PROMPTS[0], 4)["output_ids"]) == 4
     pair.decode.wait_no_leak()
+
+
+# Attention DP 2 on the decode server (one rank per attention-TP group), as in the published PD
+# recipes; on the CPU without upstream's TP LM-head all-to-all, a CUDA-only collective that PD
+# decode nodes with pure attention DP turn on by default (the all-gather path computes the same).
+DP_DECODE = ["--tp", "2", "--attn-dp-size", "2", "--no-enable-tp-lm-head-all-to-all"]
+DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+class TestAttentionDPDecode:
+    """A PD pair whose decode server runs attention DP 2 with ``pd_direct_to_host`` (each rank's
+    prompts land in its own host pool), against the same pair without the flag: TP 2 and TP 1
+    reduce in different orders, so the reference is a DP 2 decode server too."""
+
+    @pytest.fixture(scope="class")
+    def dp_pairs(self, tmp_path_factory):
+        logs = tmp_path_factory.mktemp("pd_dp")
+        pairs = (
+            PDPair(COMMON, DP_DECODE, logs / "off", decode_env=DP_ENV),
+            PDPair(COMMON, offload(pd_direct_to_host=True) + DP_DECODE, logs / "on", DP_ENV),
+        )
+        with started(*pairs):
+            yield pairs
+
+    def test_tokens_equal_on_both_ranks_from_their_host_pools(self, dp_pairs):
+        off, on = dp_pairs
+        ranks = []
+        for n, ids in zip(PROMPT_LENS, PROMPTS):
+            want = generate(off.url, ids, NEW_TOKENS)["output_ids"]
+            got = generate(on.url, ids, NEW_TOKENS)
+            assert got["output_ids"] == want, f"the {n}-token prompt differs: {got} vs {want}"
+            ranks.append(got["meta_info"]["dp_rank"])
+        assert set(ranks) == {0, 1}, ranks
+        on.decode.wait_no_leak()
+        states = on.decode.offload_states()  # one per rank, in no set order
+        assert sorted(s["admitted"] for s in states) == sorted(map(ranks.count, (0, 1))), states
+        for state in states:
+            assert state["admitted_from_host"] == state["admitted"], state
+            assert state["loaded"] > 0 and state["error_flags"] == 0, state
+
+    def test_concurrent_requests_complete_and_leak_nothing(self, dp_pairs):
+        _, on = dp_pairs
+        prompts = [prompt(n, 70 + n) for n in (120, 300, 500, 700, 260)]
+        outs = generate(on.url, prompts, 24)
+        assert [len(o["output_ids"]) for o in outs] == [24] * len(prompts), outs
+        assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
+        on.decode.wait_no_leak()
