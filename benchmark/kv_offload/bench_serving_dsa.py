@@ -197,12 +197,20 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
     }
 
 
+# Decorrelation period of the stand-ins' top-k replay (``KV_OFFLOAD_STANDINS_TOPK_PERIOD``) for
+# each per-step churn of the drifting top-k, measured at top-k 2048 and 32K context
+# (test_topk_replay.py checks these).
+TOPK_REPLAY_PERIODS = {0.4: 3, 0.1: 12}
+
+
 def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
     res: Dict[str, Any] = {"kind": kind, "args": server_args(kind, a), "points": [], "ok": False}
     prof_dir = out_dir / f"profile_{kind}"
     env = {"SGLANG_TORCH_PROFILER_DIR": str(prof_dir)}
     if a.fast_standins:
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
+    if a.topk_churn:
+        env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
     server = Server(res["args"], out_dir / f"server_{kind}.log", env)
     res["command"] = shlex.join(server.cmd)
     try:
@@ -314,6 +322,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         help="the kernel stand-ins compute in bf16/fp32 instead of float64 (their batch "
         "invariance is for token equality, not throughput)",
     )
+    p.add_argument(
+        "--topk-churn",
+        type=float,
+        choices=sorted(TOPK_REPLAY_PERIODS),
+        default=0.0,
+        help="replace the random-weight decode top-k by the stand-ins' realistic replay (sinks, "
+        "window, this fraction of the rest changing per step; the same in every server); 0: the "
+        "raw random top-k",
+    )
     p.add_argument("--profile-concurrency", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=570)
@@ -335,6 +352,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "concurrency": a.concurrency,
             "dataset": "random-ids",
             "seed": a.seed,
+            "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
         "servers": [],
     }

@@ -261,7 +261,63 @@ def fp8_paged_mqa_logits(
     lens = context_lens.reshape(batch, -1)[:, -1:].repeat_interleave(next_n, dim=0)
     if next_n > 1:  # MTP rows see one more token each
         lens = lens - (next_n - 1 - torch.arange(next_n, device=q.device).repeat(batch)[:, None])
+    if _replay_period() is not None:
+        logits = replay_scores(_replay_layer(kv_cache), pos, lens, _replay_period())
     return logits.masked_fill(pos[None, :] >= lens, float("-inf"))
+
+
+# Benchmark-only decode top-k replay (``KV_OFFLOAD_STANDINS_TOPK_PERIOD=T``): random weights give a
+# top-k that is random at every step, while real DSA keeps sinks and a local window and changes a
+# fraction of the rest per step (benchmark/kv_offload/traces.py). With it the decode logits are
+# replaced by relevance scores that depend only on (layer, position, context length): sinks and
+# window first, then a stationary random process in the context length that decorrelates over T
+# steps, shared by adjacent layers as in traces.py. The same requests thus select the same
+# positions in every server (no flag, kv offload, HiSparse). Fixed shapes, device ops only.
+REPLAY_SINKS = 4
+REPLAY_WINDOW = 128
+REPLAY_SHARE = 0.97  # correlation of adjacent layers' relevance (traces.TraceConfig.share)
+_REPLAY_LAYERS: Dict[int, int] = {}
+
+
+def _replay_period() -> Optional[int]:
+    period = os.environ.get("KV_OFFLOAD_STANDINS_TOPK_PERIOD")
+    return int(period) if period else None
+
+
+def _replay_layer(index_cache: torch.Tensor) -> int:
+    """A layer's ordinal, by its index-key buffer in first-call order (layer 0 calls first)."""
+    return _REPLAY_LAYERS.setdefault(index_cache.data_ptr(), len(_REPLAY_LAYERS))
+
+
+def _hash_normal(key: int, pos: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """A standard normal per (key, position, step) from an integer hash (Box-Muller)."""
+
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        mask = 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & mask
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & mask
+        return h ^ (h >> 16)
+
+    base = (pos * 73856093) ^ (step * 19349663) ^ (key * 83492791)
+    u1 = (mix(base).double() + 0.5) / 2**32
+    u2 = (mix(base ^ 0x5BD1E995).double() + 0.5) / 2**32
+    return (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()
+
+
+def _drift(key: int, pos: torch.Tensor, n: torch.Tensor, period: int) -> torch.Tensor:
+    """Unit-variance relevance at context length ``n``, decorrelating over ``period`` steps."""
+    k, f = n // period, (n % period).double() / period
+    g = (1 - f) * _hash_normal(key, pos, k) + f * _hash_normal(key, pos, k + 1)
+    return (g / torch.sqrt((1 - f) ** 2 + f**2)).float()
+
+
+def replay_scores(layer: int, pos: torch.Tensor, lens: torch.Tensor, period: int) -> torch.Tensor:
+    """``[rows, len(pos)]`` relevance of each position for rows of context ``lens`` (``[rows, 1]``)."""
+    pos, n = pos.long()[None, :], lens.long()
+    score = math.sqrt(REPLAY_SHARE) * _drift(0, pos, n, period)
+    score = score + math.sqrt(1 - REPLAY_SHARE) * _drift(layer + 1, pos, n, period)
+    pinned = (pos < REPLAY_SINKS) | (pos >= n - REPLAY_WINDOW)
+    return torch.where(pinned, torch.full_like(score, 1e4), score)
 
 
 # ------------------------------------------------------------------------------------------------

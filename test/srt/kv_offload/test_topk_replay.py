@@ -1,0 +1,78 @@
+"""The benchmark-only decode top-k replay of the stand-ins (``KV_OFFLOAD_STANDINS_TOPK_PERIOD``):
+real-DSA-like selections, the same in every server, at the churn the serving benchmark names."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmark" / "kv_offload"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "standins"))
+import kv_offload_standins as standins  # noqa: E402
+from bench_serving_dsa import TOPK_REPLAY_PERIODS  # noqa: E402
+
+TOPK, CONTEXT = 2048, 32768
+POS = torch.arange(CONTEXT)
+
+
+def selection(layer: int, n: int, period: int) -> torch.Tensor:
+    scores = standins.replay_scores(layer, POS, torch.tensor([[n]]), period)
+    return scores.masked_fill(POS[None] >= n, float("-inf")).topk(TOPK, dim=1).indices[0]
+
+
+def drifting(picks: torch.Tensor, n: int) -> set:
+    keep = (picks >= standins.REPLAY_SINKS) & (picks < n - standins.REPLAY_WINDOW)
+    return set(picks[keep].tolist())
+
+
+@pytest.mark.parametrize("churn", sorted(TOPK_REPLAY_PERIODS))
+def test_churn_per_step_is_the_benchmarks(churn):
+    period, steps = TOPK_REPLAY_PERIODS[churn], 16
+    prev, changed = None, []
+    for n in range(CONTEXT - steps, CONTEXT):
+        picks = selection(0, n, period)
+        # Sinks and the local window are selected at every step.
+        assert set(range(standins.REPLAY_SINKS)) <= set(picks.tolist())
+        assert set(range(n - standins.REPLAY_WINDOW, n)) <= set(picks.tolist())
+        cur = drifting(picks, n)
+        if prev is not None:
+            changed.append(1 - len(cur & prev) / len(cur))
+        prev = cur
+    measured = sum(changed) / len(changed)
+    assert abs(measured - churn) < 0.25 * churn, (churn, measured)
+
+
+def test_adjacent_layers_share_most_of_their_selection():
+    n = CONTEXT - 100
+    a, b = (set(selection(layer, n, 3).tolist()) for layer in (0, 1))
+    assert 0.7 < len(a & b) / TOPK < 1.0
+
+
+def test_a_rows_scores_depend_only_on_its_context_and_layer():
+    lens = torch.tensor([[30000], [20000], [30000]])
+    scores = standins.replay_scores(2, POS, lens, 3)
+    assert torch.equal(scores[0], scores[2]) and not torch.equal(scores[0], scores[1])
+    alone = standins.replay_scores(2, POS, lens[1:2], 3)
+    assert torch.equal(alone[0], scores[1])  # batch-invariant: the same in every server
+
+
+def test_paged_logits_serve_the_replay_when_asked(monkeypatch):
+    batch, heads, dim, pages = 2, 4, standins.INDEX_HEAD_DIM, 6
+    page_bytes = standins.INDEX_PAGE_TOKENS * (dim + 4)
+    cache = torch.zeros((pages, standins.INDEX_PAGE_TOKENS, 1, page_bytes // 64), dtype=torch.uint8)
+    q = torch.randn(batch, 1, heads, dim)
+    weights = torch.randn(batch, heads)
+    lens = torch.tensor([[200], [300]], dtype=torch.int32)
+    table = torch.arange(pages, dtype=torch.int32).reshape(1, -1).repeat(batch, 1)
+    args = (q, cache, weights, lens, table, None, 384)
+    random_weights = standins.fp8_paged_mqa_logits(*args)
+    monkeypatch.setenv("KV_OFFLOAD_STANDINS_TOPK_PERIOD", "3")
+    monkeypatch.setattr(standins, "_REPLAY_LAYERS", {})
+    replayed = standins.fp8_paged_mqa_logits(*args)
+    want = standins.replay_scores(0, torch.arange(384), lens.long(), 3)
+    want = want.masked_fill(torch.arange(384)[None] >= lens, float("-inf"))
+    assert torch.equal(replayed, want) and not torch.equal(replayed, random_weights)
