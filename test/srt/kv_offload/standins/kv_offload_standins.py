@@ -128,6 +128,8 @@ compare every request with the flag-off server running it alone.
 
 Every reference runs inside CUDA graph capture: fixed shapes, no ``.item()``/host sync, no host to
 device copies during capture (the Hadamard matrix is built on the device and cached outside capture).
+S16-S18 (speculative decoding) are CPU only and size their outputs from the data; on the GPU upstream
+runs its own Triton kernels there.
 Large intermediate products (the prefill logits and the sparse attention gather) are computed in row
 chunks of at most ``CHUNK_ELEMENTS`` elements; the chunking depends on shapes only.
 """
