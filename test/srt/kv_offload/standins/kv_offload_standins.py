@@ -59,6 +59,24 @@ S15   CPU: ``DeepseekSparseAttnBackend`` lacks               its CUDA-graph fill
       ``get_cpu_graph_seq_len_fill_value``, which attention  seq_len for padded rows as on the GPU
       DP's batch padding calls on the CPU (upstream CPU
       gap)
+S16   CPU: ``DeepseekV2ForCausalLM.set_embed_and_head``      the same method without the sync: the
+      (the MTP draft shares the target's embedding and       CPU runs every op in order, there is no
+      head) ends with ``torch.cuda.synchronize()``, which    device queue to wait for
+      a CPU torch cannot run (no CUDA driver)
+S17   CPU: speculative decoding's CPU-engine ops of      the maths of upstream's Triton kernel of
+      ``sgl_kernel`` (binary), each the CPU twin of an       the same name (without ``_cpu``), in
+      upstream Triton kernel:                                torch: :func:`assign_req_to_token_pool_cpu`
+      ``assign_req_to_token_pool_cpu``,                      ... (served by the ``sgl_kernel`` stub;
+      ``assign_draft_cache_locs_contiguous_cpu``,            reached with ``--speculative-algorithm
+      ``assign_extend_cache_locs_cpu``,                      NEXTN/EAGLE``)
+      ``fill_bonus_tokens_cpu``,                             ``build_tree_kernel_efficient_cpu`` and
+      ``fill_accept_out_cache_loc_cpu``,                     ``verify_tree_greedy_cpu`` call
+      ``build_tree_kernel_efficient_cpu``,                   upstream's own Triton versions of
+      ``verify_tree_greedy_cpu``                             ``spec_tree.py`` (its XPU path)
+S18   CPU: ``kernels.ops.attention.pad.                      the same function without the two
+      seqlens_expand_triton`` (the DSA backend's per-token   device asserts: upstream's Triton kernel
+      kv lengths of target-verify / draft-extend) asserts    under the interpreter
+      CUDA tensors
 G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``   upstream's own ``RMSNorm.forward_native``
       (``RMSNorm.forward_cuda``)
 G2    CUDA: JIT                                              upstream's own
@@ -110,6 +128,8 @@ compare every request with the flag-off server running it alone.
 
 Every reference runs inside CUDA graph capture: fixed shapes, no ``.item()``/host sync, no host to
 device copies during capture (the Hadamard matrix is built on the device and cached outside capture).
+S16-S18 (speculative decoding) are CPU only and size their outputs from the data; on the GPU upstream
+runs its own Triton kernels there.
 Large intermediate products (the prefill logits and the sparse attention gather) are computed in row
 chunks of at most ``CHUNK_ELEMENTS`` elements; the chunking depends on shapes only.
 """
@@ -514,6 +534,130 @@ def _deepseek_checkpoint_shapes(config):
 
 
 # ------------------------------------------------------------------------------------------------
+# S17: speculative decoding's CPU-engine ops (twins of upstream Triton kernels)
+# ------------------------------------------------------------------------------------------------
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
+    """``mem_cache/allocation.py``'s Triton ``assign_req_to_token_pool``: request ``i`` takes the
+    next ``end[i] - start[i]`` entries of ``out_cache_loc`` (requests packed in batch order) at
+    positions ``start[i]:end[i]`` of its row ``req_to_token[req_pool_indices[i]]``."""
+    assert req_to_token.shape[1] == pool_len
+    rows, cols, total = _packed_spans(req_pool_indices, start_offset, end_offset)
+    req_to_token[rows, cols] = out_cache_loc[:total].to(req_to_token.dtype)
+
+
+def _packed_spans(req_pool_indices, start_offset, end_offset):
+    """Row, column and packed position of every entry of ``req_to_token[idx[i], start[i]:end[i]]``,
+    requests packed in batch order (the Triton kernels' ``out_offset``)."""
+    start, end = start_offset.long(), end_offset.long()
+    lens = (end - start).clamp_min(0)
+    total = int(lens.sum())
+    rows = torch.repeat_interleave(req_pool_indices.long(), lens)
+    first = torch.cumsum(lens, 0) - lens
+    within = torch.arange(total, device=lens.device) - torch.repeat_interleave(first, lens)
+    return rows, torch.repeat_interleave(start, lens) + within, total
+
+
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+) -> None:
+    """``kernels/ops/speculative/cache_locs.py``'s Triton ``assign_extend_cache_locs`` (the
+    inverse of the above): ``out_cache_loc`` gets each request's ``start[i]:end[i]`` entries."""
+    assert req_to_token.shape[1] == pool_len
+    rows, cols, total = _packed_spans(req_pool_indices, start_offset, end_offset)
+    out_cache_loc[:total] = req_to_token[rows, cols].to(out_cache_loc.dtype)
+
+
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_steps
+) -> None:
+    """Triton ``assign_draft_cache_locs_contiguous`` (without positions, as upstream's CPU call):
+    request ``i``'s ``topk * num_steps`` locs from ``seq_lens[i]`` on go to
+    ``out_cache_loc[i * topk * num_steps:]``."""
+    width = topk * num_steps
+    start = seq_lens.long()
+    assign_extend_cache_locs_cpu(
+        req_pool_indices, req_to_token, start, start + width, out_cache_loc, pool_len
+    )
+
+
+def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_stride) -> None:
+    """Triton ``fill_bonus_tokens``: request ``i``'s bonus token is its last accepted one,
+    ``accept_tokens.flatten()[accept_stride * i + accept_lens[i] - 1]``."""
+    bs = accept_lens.numel()
+    idx = accept_stride * torch.arange(bs, device=accept_lens.device) + accept_lens.long() - 1
+    bonus_tokens[:bs] = accept_tokens.reshape(-1)[idx].to(bonus_tokens.dtype)
+
+
+def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc) -> None:
+    """Triton ``fill_accept_out_cache_loc``: the locs of the accepted entries
+    (``accept_index != -1``), compacted in order."""
+    flat = accept_index.reshape(-1)
+    kept = flat[flat != -1].long()
+    accept_out_cache_loc[: kept.numel()] = out_cache_loc[kept].to(accept_out_cache_loc.dtype)
+
+
+def build_tree_kernel_efficient_cpu(
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    topk,
+    depth,
+    draft_token_num,
+    tree_mask_mode,
+) -> None:
+    """The EAGLE tree (mask, positions, retrieve links) by upstream's own Triton
+    ``sgl_build_tree_kernel_triton`` (``kernels/ops/speculative/spec_tree.py``, its XPU path)."""
+    from sglang.kernels.ops.speculative import spec_tree
+
+    spec_tree.sgl_build_tree_kernel_triton(
+        parent_list,
+        selected_index,
+        verified_seq_len,
+        tree_mask,
+        positions,
+        retrieve_index,
+        retrieve_next_token,
+        retrieve_next_sibling,
+        topk,
+        depth,
+        draft_token_num,
+        spec_tree.TreeMaskMode(int(tree_mask_mode)),
+    )
+
+
+def verify_tree_greedy_cpu(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+) -> None:
+    """Greedy verification by upstream's own Triton ``verify_tree_greedy_triton`` (its XPU path)."""
+    from sglang.kernels.ops.speculative import spec_tree
+
+    spec_tree.verify_tree_greedy_triton(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_token_num,
+        candidates=candidates,
+        retrieve_index=retrive_index,
+        retrieve_next_token=retrive_next_token,
+        retrieve_next_sibling=retrive_next_sibling,
+        target_predict=target_predict,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # G5: fused MoE experts
 # ------------------------------------------------------------------------------------------------
 def fused_moe_dense(
@@ -774,7 +918,35 @@ def _patch_dsa_backend(module) -> None:
     cls.get_cpu_graph_seq_len_fill_value = cls.get_cuda_graph_seq_len_fill_value
 
 
+@_cpu_only
+def _patch_deepseek_v2(module) -> None:
+    # S16: speculative decoding (NEXTN / EAGLE on the MTP layer) hands the target's embedding and
+    # LM head to the draft model, then waits for the CUDA device; a CPU torch has no driver to wait on.
+    _replace_in_method(
+        module,
+        module.DeepseekV2ForCausalLM,
+        "set_embed_and_head",
+        "torch.cuda.synchronize()\n",
+        "pass  # S16: no device queue on the CPU\n",
+    )
+
+
+@_cpu_only
+def _patch_attention_pad(module) -> None:
+    # S18: speculative verify / draft extend expand each request's kv length to one per draft token
+    # with a Triton kernel that asserts CUDA inputs; the interpreter runs it on CPU tensors.
+    _replace_in_method(
+        module,
+        module,
+        "seqlens_expand_triton",
+        "assert extend_seq_lens.is_cuda\n    assert seq_lens.is_cuda\n",
+        "pass  # S18: CPU tensors under TRITON_INTERPRET\n",
+    )
+
+
 PATCHES: Dict[str, Callable] = {
+    "sglang.kernels.ops.attention.pad": _patch_attention_pad,
+    "sglang.srt.models.deepseek_v2": _patch_deepseek_v2,
     "sglang.srt.layers.attention.dsa_backend": _patch_dsa_backend,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     # 0.5.23 module moves: nsa.index_buf_accessor -> kernels.ops.kvcache.dsa_index_k_cache,
@@ -823,7 +995,9 @@ _TRACED = (
     "hadamard_transform rotate_activation fp8_mqa_logits fp8_paged_mqa_logits "
     "get_paged_mqa_logits_metadata get_num_sms fast_topk_v2 fast_topk_transform_fused "
     "fast_topk_transform_ragged_fused flash_mla_sparse_fwd initialize_dummy_weights act_quant "
-    "set_index_k_and_scale fused_moe_dense"
+    "set_index_k_and_scale fused_moe_dense assign_req_to_token_pool_cpu assign_extend_cache_locs_cpu "
+    "assign_draft_cache_locs_contiguous_cpu fill_bonus_tokens_cpu fill_accept_out_cache_loc_cpu "
+    "build_tree_kernel_efficient_cpu verify_tree_greedy_cpu"
 ).split()
 
 

@@ -6,6 +6,15 @@ __version__ = "0.0.0+cpustub"
 
 
 _TOPK_STANDINS = ("fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused")
+_SPEC_STANDINS = (  # S17: speculative decoding's CPU-engine ops
+    "assign_req_to_token_pool_cpu",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "fill_bonus_tokens_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "verify_tree_greedy_cpu",
+)
 
 
 def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
@@ -36,9 +45,14 @@ def __getattr__(name):
         import kv_offload_standins
 
         return getattr(kv_offload_standins, name)
+    # S17: speculative decoding's CPU-engine ops, as torch twins of upstream's Triton kernels.
+    if name in _SPEC_STANDINS:
+        import kv_offload_standins
+
+        return getattr(kv_offload_standins, name)
     # 0.5.23: modules import sgl_kernel's CPU-engine ops (``*_cpu``: speculative decoding, request
     # slot assignment for spec decode, ...) at module level when SGLANG_USE_CPU_ENGINE=1. Import
-    # placeholders that raise when called; none is on the tiny server's path.
+    # placeholders that raise when called; none other is on the tiny server's path.
     if name.endswith("_cpu"):
         return _cpu_op_placeholder(name)
     raise AttributeError(name)
