@@ -129,7 +129,7 @@ class OffloadStack:
         self.sparse = SparseCacheState(
             num_layers=layers,
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
-            max_reqs=self.r2t.size,
+            max_reqs=self.r2t.req_to_token.shape[0],  # row 0 pads, requests 1..reqs
             buffer_slots=slots,
             topk=topk,
             allocator=self.alloc.hisparse_attn_allocator,
@@ -303,7 +303,8 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     lens = [ctx - (r % ne.PAGE) for r in range(bs)]  # pages complete on different steps
     # Prompts: write random KV into their physical rows, admit, back up; time the backups.
     backup_s, backup_bytes = 0.0, 0
-    for r, n in enumerate(lens):
+    reqs = list(range(1, bs + 1))  # request row 0 is upstream's padding row
+    for r, n in zip(reqs, lens):
         locs = ne.alloc_extend(st.alloc, n, dev)
         st.r2t.req_to_token[r, :n] = locs.to(torch.int32)
         phys = st.pool.translate_loc_to_hisparse_device(locs).to(torch.int64)
@@ -330,7 +331,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
 
     traces, out["trace_stats"] = layer_traces(bs, ctx - ne.PAGE, layers, a)
     topk_static = [torch.empty((bs, a.topk), dtype=torch.int32, device=dev) for _ in range(layers)]
-    rpi = torch.arange(bs, dtype=torch.int64, device=dev)
+    rpi = torch.tensor(reqs, dtype=torch.int64, device=dev)
     seq_t = torch.tensor(lens, dtype=torch.int64, device=dev)
     misses = torch.zeros((), dtype=torch.int64, device=dev)
     results: List[torch.Tensor] = []
@@ -363,12 +364,10 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
         torch.cuda.synchronize()
         misses.zero_()
         e0.record()
-        locs = ne.alloc_decode(st.alloc, st.r2t.req_to_token, range(bs), cur)
+        locs = ne.alloc_decode(st.alloc, st.r2t.req_to_token, reqs, cur)
         cur = [n + 1 for n in cur]
-        st.r2t.req_to_token[torch.arange(bs, device=dev), torch.tensor(cur, device=dev) - 1] = (
-            locs.to(torch.int32)
-        )
-        st.coord.before_decode_step(list(range(bs)), cur)
+        st.r2t.req_to_token[rpi, torch.tensor(cur, device=dev) - 1] = locs.to(torch.int32)
+        st.coord.before_decode_step(reqs, cur)
         e1.record()
         if graph is not None:
             graph.replay()
@@ -407,7 +406,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     out["attention_side_ms_per_layer"] = attn
     out["offload_share_lower_bound"] = lay_ms / (lay_ms + attn)
     # Release everything; the free counts return to where they started.
-    for r, n in enumerate(cur):
+    for r in reqs:
         st.coord.release(r, free_kv=True)
     st.coord.drain()
     out["leak_free"] = st.alloc.free_counts() == start_free

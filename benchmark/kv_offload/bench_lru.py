@@ -331,15 +331,21 @@ class Bench:
             torch._C._host_emptyCache()  # give the pinned pages back before pinning more
 
     def _state(self, bs: int, ctx: int, S: int):
+        """Requests 1..bs (request row 0 is upstream's padding row, as in ReqToTokenPool)."""
         dev = self.dev
         N = bs * ctx
-        ocls = (torch.arange(bs * (S + 64), dtype=torch.int32, device=dev) + 64).view(bs, S + 64)
+        rows = bs + 1
+        ocls = (torch.arange(rows * (S + 64), dtype=torch.int32, device=dev) + 64).view(
+            rows, S + 64
+        )
+        num_slots = torch.full((rows,), S, dtype=torch.int32, device=dev)
+        num_slots[0] = 0
         return self.state_mod.LayerState(
             loc_to_slot=torch.full((N,), -1, dtype=torch.int32, device=dev),
-            slot_loc=torch.full((bs, S), -1, dtype=torch.int32, device=dev),
-            lru=torch.arange(S, dtype=torch.int16, device=dev).repeat(bs, 1).contiguous(),
+            slot_loc=torch.full((rows, S), -1, dtype=torch.int32, device=dev),
+            lru=torch.arange(S, dtype=torch.int16, device=dev).repeat(rows, 1).contiguous(),
             out_cache_loc_sparse=ocls[:, :S].contiguous(),
-            num_slots=torch.full((bs,), S, dtype=torch.int32, device=dev),
+            num_slots=num_slots,
         )
 
     def _copy(self, host_w, dev_w, res, compact: bool):
@@ -385,7 +391,7 @@ class Bench:
         host = self.host_buffer(row, region * layers)
         word = 8 if row % 8 == 0 else 4
         host_w = host.view(torch.int64 if word == 8 else torch.int32)
-        dev_rows = bs * (S + 64) + 64
+        dev_rows = (bs + 1) * (S + 64) + 64  # _state: padding row 0 and bs requests
         devbuf = torch.zeros((dev_rows, row), dtype=torch.uint8, device=dev)
         dev_w = devbuf.view(host_w.dtype)
         if a.trace == "realistic":
@@ -398,7 +404,7 @@ class Bench:
         else:
             traces = make_traces(bs, ctx, K, churn, a.steps, dev, seed=a.seed)
             trace_stats = None
-        rpi = torch.arange(bs, dtype=torch.int64, device=dev)
+        rpi = torch.arange(1, bs + 1, dtype=torch.int64, device=dev)  # row 0 pads (_state)
         nr = torch.tensor([bs], dtype=torch.int32, device=dev)
         base = (torch.arange(bs, dtype=torch.int32, device=dev) * ctx)[:, None]
         locs = [t + base for t in traces]  # logical loc = r * ctx + position (req_to_token)

@@ -68,7 +68,7 @@ class Harness:
         self.sparse = SparseCacheState(
             num_layers=LAYERS,
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
-            max_reqs=max_reqs,
+            max_reqs=max_reqs + 1,  # request rows 1..max_reqs; row 0 is the padding row
             buffer_slots=buffer_slots,
             topk=topk,
             allocator=self.alloc.hisparse_attn_allocator,
@@ -84,7 +84,7 @@ class Harness:
         )
         self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
-        self.free_reqs = list(range(max_reqs))
+        self.free_reqs = list(range(1, max_reqs + 1))
         self.kv = {}  # req -> list per layer of (seq_len, ROW) uint8 truth
         self.gen = torch.Generator().manual_seed(1)
 
