@@ -79,6 +79,7 @@ RETRACT_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
 WORKERS = 4
 REQUEST_TIMEOUT_S = 300
 IDLE_TIMEOUT_S = 120
+START_TIMEOUT_S = 600  # a start on 2 busy cores can take minutes
 STALL_S = 4  # below upstream's PD heartbeat timeout (2 misses of 5 s): the transfer resumes
 PROBE = [(7 * i + 3) % 500 + 2 for i in range(300)]
 PROBE_TOKENS = 16
@@ -237,6 +238,7 @@ class Target:
     """The servers under soak: ``url`` takes the traffic, ``offload`` has the flag."""
 
     faults: Tuple[Optional[str], ...] = (None,)  # one per window, in turn
+    empty_ids = True  # send ``input_ids: []`` among the malformed requests
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -304,6 +306,9 @@ class SingleTarget(Target):
 
 class PDTarget(Target):
     faults = ("fail_transfer", "stall_transfer", "restart_decode", "kill_prefill")
+    # sglang_router's mini load balancer (a debugging tool) fails on ``input_ids: []`` with a bare
+    # 500 (IndexError in mini_lb._get_request_batch_size) before any server sees it.
+    empty_ids = False
 
     def __init__(self, log_dir: Path) -> None:
         super().__init__(log_dir)
@@ -366,19 +371,17 @@ def post(url: str, payload, stream: bool = False, timeout=REQUEST_TIMEOUT_S, chu
         return None, type(exc).__name__
 
 
-def malformed(rng: random.Random) -> object:
+def malformed(rng: random.Random, empty_ids: bool = True) -> object:
     ok = [5, 6, 7]
-    return rng.choice(
-        [
-            "{not json",
-            {"sampling_params": {"max_new_tokens": 4}},  # neither text nor input_ids
-            body(ok, -1),
-            {**body(ok, 4), "sampling_params": {"max_new_tokens": 4, "temperature": -1.0}},
-            {**body(ok, 4), "sampling_params": {"max_new_tokens": 4, "top_p": 2.0}},
-            body(["a", "b"], 4),
-            body([], 4),
-        ]
-    )
+    bad = [
+        "{not json",
+        {"sampling_params": {"max_new_tokens": 4}},  # neither text nor input_ids
+        body(ok, -1),
+        {**body(ok, 4), "sampling_params": {"max_new_tokens": 4, "temperature": -1.0}},
+        {**body(ok, 4), "sampling_params": {"max_new_tokens": 4, "top_p": 2.0}},
+        body(["a", "b"], 4),
+    ]
+    return rng.choice(bad + ([body([], 4)] if empty_ids else []))
 
 
 class Traffic:
@@ -420,7 +423,7 @@ class Traffic:
                 url, body([self.prompt(rng, max_new) for _ in range(BURST)], max_new)
             )
         elif kind == "malformed":
-            status, out = post(url, malformed(rng))
+            status, out = post(url, malformed(rng, self.target.empty_ids))
         else:  # oversized: a prompt of the context or more, or prompt + max_new past it
             n = rng.randint(1, self.target.context)
             if rng.random() < 0.5:
@@ -491,7 +494,7 @@ def inject(fault: str, target: Target, tally: Tally, seed: int) -> None:
         server = target.offload
         tally.offload += tally.counters(server.offload_state())
         server.kill()
-        server.restart().wait_ready()
+        server.restart().wait_ready(START_TIMEOUT_S)
     elif fault == "kill_prefill":
         call, result = long_prompt_in_flight(target, seed)
         target.pair.prefill.kill()
@@ -499,7 +502,7 @@ def inject(fault: str, target: Target, tally: Tally, seed: int) -> None:
         status, out = result["r"]
         if status == 200 and not error_message(out):
             problems.append(f"the prompt in flight when the prefill server died got {out}")
-        target.pair.prefill.restart().wait_ready()
+        target.pair.prefill.restart().wait_ready(START_TIMEOUT_S)
     elif fault == "stall_transfer":
         call, result = long_prompt_in_flight(target, seed)
         os.killpg(target.pair.prefill.proc.pid, signal.SIGSTOP)
