@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,8 +241,7 @@ class Target:
     faults: Tuple[Optional[str], ...] = (None,)  # one per window, in turn
     empty_ids = True  # send ``input_ids: []`` among the malformed requests
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
+    def __init__(self) -> None:
         self.pids: Dict[int, float] = {}  # every process of ours seen: pid -> create time
 
     def servers(self) -> List[TinyServer]:
@@ -249,6 +249,12 @@ class Target:
 
     def procs(self) -> List[subprocess.Popen]:
         return [s.proc for s in self.servers()]
+
+    def abort(self, rid: str) -> None:
+        try:
+            self.offload.abort(rid)
+        except requests.RequestException:
+            pass  # the server is down (a fault): the request fails anyway
 
     def note_pids(self) -> None:
         for proc in self.procs():
@@ -278,7 +284,7 @@ class SingleTarget(Target):
     faults = (None, "restart")
 
     def __init__(self, log_dir: Path, tp: int) -> None:
-        super().__init__(log_dir)
+        super().__init__()
         args = SERVER_ARGS + offload_args(SERVER_OFFLOAD) + ["--tp", str(tp)]
         env = dict(RETRACT_ENV)
         if tp > 1:
@@ -297,12 +303,6 @@ class SingleTarget(Target):
     def stop(self) -> None:
         self.server.stop()
 
-    def abort(self, rid: str) -> None:
-        try:
-            self.server.abort(rid)
-        except requests.RequestException:
-            pass  # the server is down (a fault): the request fails anyway
-
 
 class PDTarget(Target):
     faults = ("fail_transfer", "stall_transfer", "restart_decode", "kill_prefill")
@@ -311,7 +311,7 @@ class PDTarget(Target):
     empty_ids = False
 
     def __init__(self, log_dir: Path) -> None:
-        super().__init__(log_dir)
+        super().__init__()
         self.trigger = Path(tempfile.mkdtemp(prefix="kvo-soak-")) / "fail-transfer"
         env = {**RETRACT_ENV, "KV_OFFLOAD_TEST_FAIL_TRANSFER_FILE": str(self.trigger)}
         args = COMMON + ["--context-length", str(PD_CONTEXT)]
@@ -330,12 +330,7 @@ class PDTarget(Target):
 
     def stop(self) -> None:
         self.pair.stop()
-
-    def abort(self, rid: str) -> None:
-        try:
-            self.pair.decode.abort(rid)
-        except requests.RequestException:
-            pass  # the decode server is down (a fault): the request fails anyway
+        shutil.rmtree(self.trigger.parent, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- traffic
