@@ -159,9 +159,8 @@ def response_problem(kind: str, status: Optional[int], body, expect_tokens: int,
             return f"HTTP {status} with no fault active: {message[:200]}"
         return None
     outs = body if isinstance(body, list) else [body]
-    for out in outs:
-        finish = (out.get("meta_info", {}).get("finish_reason") or {}).get("type")
-        if kind == "abort" and finish == "abort":
+    for out in outs:  # a burst's members end one by one
+        if error_message(out) and (fault or kind == "abort"):
             continue
         if len(out.get("output_ids", [])) != expect_tokens:
             return f"HTTP 200 with {len(out.get('output_ids', []))} of {expect_tokens} tokens"
@@ -174,6 +173,9 @@ def error_message(body) -> str:
         return ""
     if body.get("object") == "error":  # upstream's ErrorResponse
         return str(body.get("message") or "")
+    finish = body.get("meta_info", {}).get("finish_reason") or {}
+    if finish.get("type") == "abort":  # a stream already answered 200 ends with the error here
+        return str(finish.get("message") or "aborted")
     err = body.get("error", body.get("detail"))
     return str(err.get("message") or "") if isinstance(err, dict) else str(err or "")
 

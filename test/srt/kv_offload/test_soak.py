@@ -115,6 +115,12 @@ def test_responses_that_break_the_contract_fail():
     assert check("generate", None, "ReadTimeout", 4, "stall_transfer")
     assert check("generate", 500, "Internal Server Error", 4, "restart") is None
     assert check("generate", 500, {"error": {}}, 4, "fail_transfer")
+    failed_stream = {
+        "meta_info": {"finish_reason": {"type": "abort", "message": "transfer failed"}}
+    }
+    assert check("stream", 200, failed_stream, 4, "fail_transfer") is None
+    assert check("stream", 200, failed_stream, 4, "")
+    assert check("burst", 200, [ok, failed_stream], 4, "fail_transfer") is None
     assert check("generate", 500, error, 4, "") and check("generate", 400, error, 4, "")
     assert check("malformed", 200, ok, 4, "") and check("malformed", 500, error, 4, "")
     assert check("oversized", 400, {"detail": ""}, 4, "")
