@@ -622,9 +622,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         )
         duration = a.duration_s * shares.get(mode, 1.0)
         report["modes"][mode] = soak(target, duration, a.window_s, a.seed)
-        a.out.write_text(results_json(report) + "\n")
+        a.out.write_text(results_json(report))
     report["ok"] = all(m["ok"] for m in report["modes"].values())
-    a.out.write_text(results_json(report) + "\n")
+    a.out.write_text(results_json(report))
     logger.info("soak %s: %s", "passed" if report["ok"] else "FAILED", a.out)
     return report
 
