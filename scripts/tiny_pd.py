@@ -16,8 +16,9 @@ and serves until interrupted (Ctrl-C stops all three). ``ARGS`` go to both serve
 Mooncake on a machine without RDMA needs libibverbs/libnl (``scripts/env/fetch_debian_libs.sh``,
 run by ``make build``; put on ``LD_LIBRARY_PATH`` here), ``MC_FORCE_TCP=1`` (sglang initialises the
 engine with protocol "rdma"; Mooncake's TCP transport replaces it) and ``SGLANG_HOST_IP=127.0.0.1``
-(the engine's address: loopback instead of the first NIC's). Nothing else: SGLang's PD path runs on
-CPU unchanged.
+(the engine's address: loopback instead of the first NIC's). Mooncake picks its own RPC/TCP ports;
+``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` keep them in a range the harness never hands out
+(``_real_server.MOONCAKE_RPC_PORTS``). Nothing else: SGLang's PD path runs on CPU unchanged.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
 import tiny_server  # noqa: E402
 from _real_server import (  # noqa: E402
+    MOONCAKE_RPC_PORTS,
     TinyServer,
     free_port,
+    release_port,
     stop_process_group,
     wait_healthy,
 )
@@ -68,6 +71,8 @@ def pd_env() -> Dict[str, str]:
         "LD_LIBRARY_PATH": debian_lib_dir() + (os.pathsep + ld if ld else ""),
         "MC_FORCE_TCP": "1",
         "SGLANG_HOST_IP": "127.0.0.1",
+        "MC_MIN_RPC_PORT": str(MOONCAKE_RPC_PORTS.start),
+        "MC_MAX_RPC_PORT": str(MOONCAKE_RPC_PORTS.stop - 1),
     }
 
 
@@ -96,6 +101,7 @@ class MiniLB:
     def stop(self) -> None:
         stop_process_group(self.proc)
         self._log.close()
+        release_port(self.port)
 
 
 def prefill_args(args: Sequence[str], bootstrap_port: int) -> List[str]:
@@ -165,6 +171,7 @@ class PDPair:
             self.lb.stop()
         self.decode.stop()
         self.prefill.stop()
+        release_port(self.bootstrap_port)
 
 
 def main(argv: List[str]) -> int:

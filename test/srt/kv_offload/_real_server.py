@@ -8,6 +8,7 @@ offload state) or its log lines; nothing reaches into its memory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -33,37 +34,61 @@ REQUEST_TIMEOUT_S = 600
 IDLE_TIMEOUT_S = 60
 
 
-def _ephemeral_port_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+# Ports the harness hands out (servers, NCCL/gloo, PD bootstrap, load balancer): below Mooncake's
+# RPC ports (MOONCAKE_RPC_PORTS, set by tiny_pd.pd_env), upstream's own picks below the ephemeral
+# range (``get_free_port_below_ephemeral``: 22000-29999) and the kernel's ephemeral range (bind(0),
+# ZMQ's random ports), so no port another component picks can be one of ours.
+HARNESS_PORTS = range(10000, 15000)
+MOONCAKE_RPC_PORTS = range(15000, 18000)
+# One lock file per port: a port is reserved while some process holds an flock on its file (the
+# kernel drops it when that process dies, kill -9 included), so harness processes started side by
+# side (pytest sessions, benchmarks, soak runs) never hand out the same port.
+PORT_LOCK_DIR = Path("/tmp/kv-offload-ports")
+_RESERVED: Dict[int, int] = {}  # port -> fd of its locked file, held until release_port
 
 
-# Ports this test process has handed out: never handed out twice.
-_HANDED_OUT: set = set()
+def free_port(candidates: Sequence[int] = HARNESS_PORTS) -> int:
+    """A TCP port reserved for this process until :func:`release_port` (or its exit).
 
-
-def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range, not handed out before by this process.
-
-    Upstream picks its own ports (e.g. the NCCL/dist port when ``--nccl-port`` is not given) by
-    binding port 0, which takes them from the ephemeral range: servers started side by side could
-    be handed the same one (seen once in CI: ``EADDRINUSE`` on the dist port). Ports from below that
-    range never collide with those, and ours never collide with each other.
+    Reserved, not guessed: the port is bindable now, and no harness process (this one or another)
+    hands it out again while the reservation lasts, so the server given it can bind it however
+    late it starts. Raises RuntimeError if every candidate is bound or reserved.
     """
-    stop = _ephemeral_port_start()
-    for port in random.Random().sample(range(max(1024, stop - 12000), stop), 2000):
-        if port in _HANDED_OUT:
+    PORT_LOCK_DIR.mkdir(exist_ok=True)
+    for port in random.Random().sample(list(candidates), len(candidates)):
+        if port in _RESERVED:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free TCP port found below {stop}")
+        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        if _bindable(port):
+            _RESERVED[port] = fd
+            return port
+        os.close(fd)  # in use by a process outside the harness: leave it
+    raise RuntimeError(
+        f"no free TCP port among {len(candidates)} candidates: all bound or reserved by other "
+        f"harness processes (locks in {PORT_LOCK_DIR}); stop stray servers and retry"
+    )
+
+
+def release_port(port: int) -> None:
+    """End the reservation of ``port`` (once the process that bound it has exited)."""
+    fd = _RESERVED.pop(port, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _bindable(port: int) -> bool:
+    """True if nothing is bound to ``port`` on any IPv4 address (as the servers bind it)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, describe) -> None:
@@ -121,36 +146,58 @@ class TinyServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.log_path = log_path
-        # The dist (NCCL/gloo) port too: upstream would take it from the ephemeral range.
-        ports = ["--port", str(self.port), "--nccl-port", str(free_port())]
-        cmd, server_env = tiny_server.build_command(self.args + ports)
+        # The dist (NCCL/gloo) port too: upstream would pick one itself, unreserved.
+        self.nccl_port = free_port()
+        ports = ["--port", str(self.port), "--nccl-port", str(self.nccl_port)]
+        self._cmd, self._env = tiny_server.build_command(self.args + ports)
         # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
-        server_env.setdefault("OMP_NUM_THREADS", "1")
+        self._env.setdefault("OMP_NUM_THREADS", "1")
         # ``/health`` answers without running a one-token generation: a poll that times out on a
         # slow start would otherwise leave an extra forward in one twin, and upstream's test
         # retraction schedule counts forwards (an extra one shifts every retraction, so the twins'
         # batches, and with them their CPU tokens, differ: seen in CI as request 4 diverging).
-        server_env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+        self._env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
         # Upstream leaves temporary files behind (ZMQ socket names, a config copy per process):
         # give the server its own TMPDIR, removed by stop(). Short: ZMQ ipc paths must fit in
         # 107 characters.
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvo-"))
-        server_env["TMPDIR"] = str(self.tmp_dir)
-        server_env.update(env or {})
+        self._env["TMPDIR"] = str(self.tmp_dir)
+        self._env.update(env or {})
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            cmd, env=server_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self._start()
 
     # ------------------------------------------------------------------ life cycle
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(
+            self._cmd,
+            env=self._env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "TinyServer":
         wait_healthy(self.url, self.proc, timeout, self.log_tail)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole process tree (a crash); its ports stay reserved for :meth:`restart`."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def restart(self) -> "TinyServer":
+        """Start the server again (same ports, arguments and log) after :meth:`kill`."""
+        self.kill()
+        self._start()
         return self
 
     def stop(self) -> None:
         stop_process_group(self.proc)
         self._log.close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        release_port(self.port)
+        release_port(self.nccl_port)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -9,6 +9,10 @@ Enabled per server process by environment variables (see ``sitecustomize.py``):
   this forward has not yet written or read anything (widens every race window).
 * ``KV_OFFLOAD_TEST_DROP_FORWARD_ORDERING=1``: the coordinator's scheduler-side work no longer
   waits for the in-flight forward (shows that the ordering is what keeps tokens right).
+* ``KV_OFFLOAD_TEST_FAIL_TRANSFER_FILE=PATH`` (PD decode server): once ``PATH`` exists, the next
+  poll of the decode transfer queue that finds a transfer still in flight reports it ``Failed``
+  and removes ``PATH`` (one failure per trigger; the soak driver creates the file). Upstream's ``SGLANG_TEST_DISAGG_FAILURE_PROB``
+  fails polls at random, in any state; this fails one transfer when the driver asks.
 """
 
 from __future__ import annotations
@@ -48,6 +52,28 @@ def _drop_forward_ordering(module) -> None:
     module.KVOffloadCoordinator._after_inflight_forward = lambda self: None
 
 
+def _fail_transfer_on_trigger(path: str) -> Callable:
+    def patch(module) -> None:
+        queue = module.DecodeTransferQueue
+        poll = queue._poll_with_metadata_gate
+        done = (module.KVPoll.Success, module.KVPoll.Failed)
+
+        def poll_or_fail(self):
+            polls = poll(self)
+            in_flight = [i for i, p in enumerate(polls) if p not in done]
+            if in_flight and os.path.exists(path):
+                try:
+                    os.unlink(path)  # consumed: one failure per trigger
+                except FileNotFoundError:
+                    return polls
+                polls[in_flight[0]] = int(module.KVPoll.Failed)
+            return polls
+
+        queue._poll_with_metadata_gate = poll_or_fail
+
+    return patch
+
+
 def register(patches: Dict[str, Callable]) -> None:
     """Add the faults selected by the environment to the stand-ins' import-time patches."""
     if os.environ.get("KV_OFFLOAD_TEST_CORRUPT_LOADS") == "1":
@@ -57,3 +83,6 @@ def register(patches: Dict[str, Callable]) -> None:
         patches["sglang.srt.model_executor.model_runner"] = _delay_forwards(cycles)
     if os.environ.get("KV_OFFLOAD_TEST_DROP_FORWARD_ORDERING") == "1":
         patches["sglang.srt.mem_cache.sparsity.kv_offload.coordinator"] = _drop_forward_ordering
+    fail_transfer = os.environ.get("KV_OFFLOAD_TEST_FAIL_TRANSFER_FILE")
+    if fail_transfer:
+        patches["sglang.srt.disaggregation.decode"] = _fail_transfer_on_trigger(fail_transfer)

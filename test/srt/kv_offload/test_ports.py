@@ -1,0 +1,116 @@
+"""The harness's ports (``_real_server.free_port``): reserved across processes, never guessed.
+
+Servers, their NCCL/gloo ports, the PD bootstrap port and the load balancer's all come from
+``free_port``. A port stays reserved (an flock on its file) until ``release_port`` or the exit of
+the process that reserved it, and the harness's range is disjoint from every range another
+component picks ports from on its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _real_server import HARNESS_PORTS, MOONCAKE_RPC_PORTS, free_port, release_port
+
+HERE = Path(__file__).resolve().parent
+
+
+def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
+    """Another harness process calling ``free_port(candidates)``; prints the port or the error.
+    With ``hold`` it keeps the reservation until its stdin closes."""
+    code = textwrap.dedent(f"""
+        import sys
+        from _real_server import free_port
+        try:
+            print(free_port({list(candidates)!r}), flush=True)
+        except RuntimeError as exc:
+            print("refused:", exc, flush=True)
+        if {hold!r}:
+            sys.stdin.read()
+        """)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_reserved_port_is_refused_to_another_process_until_released():
+    port = free_port()
+    try:
+        child = reserve_in_child([port])
+        out, _ = child.communicate(timeout=60)
+        assert out.startswith("refused:") and "reserved by other harness processes" in out, out
+    finally:
+        release_port(port)
+    child = reserve_in_child([port])
+    out, _ = child.communicate(timeout=60)
+    assert out.strip() == str(port)
+
+
+def test_a_reservation_ends_with_its_process_even_on_kill():
+    holder = reserve_in_child(HARNESS_PORTS, hold=True)
+    port = int(holder.stdout.readline())
+    with pytest.raises(RuntimeError):
+        free_port([port])
+    holder.kill()
+    holder.wait()
+    assert free_port([port]) == port
+    release_port(port)
+
+
+def test_ports_handed_out_side_by_side_are_distinct_and_bindable():
+    children = [reserve_in_child(range(HARNESS_PORTS.start, HARNESS_PORTS.start + 40), True)]
+    children += [reserve_in_child(range(HARNESS_PORTS.start, HARNESS_PORTS.start + 40), True)]
+    ports = [int(c.stdout.readline()) for c in children]
+    ours = [free_port(range(HARNESS_PORTS.start, HARNESS_PORTS.start + 40)) for _ in range(5)]
+    try:
+        assert len(set(ports + ours)) == len(ports + ours)
+        for port in ours:  # reserved, not bound: the server given it can bind it
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+    finally:
+        for child in children:
+            child.communicate(timeout=60)
+        for port in ours:
+            release_port(port)
+
+
+def test_a_port_bound_outside_the_harness_is_skipped():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match="no free TCP port"):
+            free_port([busy])
+
+
+def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):
+    """Upstream's own pick below the ephemeral range, the kernel's ephemeral range (bind(0), ZMQ's
+    random ports) and Mooncake's RPC ports (pinned by tiny_pd.pd_env) never reach ours."""
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
+
+    sys.path.insert(0, str(HERE.parents[2] / "scripts"))
+    import tiny_pd
+
+    defaults = inspect.signature(get_free_port_below_ephemeral).parameters
+    upstream = range(defaults["low"].default, defaults["high"].default + 1)
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for other in (upstream, MOONCAKE_RPC_PORTS, range(ephemeral_low, 65536)):
+        assert not set(HARNESS_PORTS) & set(other), other
+    monkeypatch.setattr(tiny_pd, "debian_lib_dir", lambda: "/libs")
+    env = tiny_pd.pd_env()
+    assert range(int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]) + 1) == MOONCAKE_RPC_PORTS
