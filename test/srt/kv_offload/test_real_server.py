@@ -430,63 +430,6 @@ class TestTensorParallel:
         assert not leftover, f"shared host pool files left in /dev/shm: {leftover}"
 
 
-DP = TP + ["--attn-dp-size", "2"]
-DP_SPARSE_POOL = RUNNING * (SLOTS + 2 * PAGE) + 4 * CONTEXT
-
-
-class TestAttentionDP:
-    """Attention DP 2 (TP 2) on the CPU: each attention-DP rank serves its own requests with its
-    own host pool (its attention-TP group is one rank), against the same DP server without the
-    flag; contexts >= 8x top-k evict and reload on both ranks.
-
-    Retraction runs on a third server (upstream's test schedule) and is checked for completion
-    and free counts, not tokens: under attention DP the ranks' batches meet in every MLP, so a
-    request's CPU tokens depend on which step the other rank re-prefills in, and two flag-off
-    servers with the same retraction schedule already part ways (seen: after 20 and 41 tokens)."""
-
-    PROMPTS = [prompt(n, 900 + i) for i, n in enumerate((640, 300, 900, 520))]
-    NEW_TOKENS = 48
-
-    @pytest.fixture(scope="class")
-    def dp_servers(self, tmp_path_factory):
-        logs = tmp_path_factory.mktemp("dp")
-        retract = {**TP_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
-        # GPU rows for every prompt at once: the staging gate must not delay a prefill that the
-        # flag-off twin runs, or their ranks' batches fall out of step.
-        on = COMMON + context(CONTEXT) + LARGE_GPU + offload(sparse_pool_slots=DP_SPARSE_POOL) + DP
-        specs = (
-            (OFF_LARGE + DP, logs / "dp2_off.log", TP_ENV),
-            (on, logs / "dp2_on.log", TP_ENV),
-            (on, logs / "dp2_on_retract.log", retract),
-        )
-        with running(*specs) as servers:
-            yield servers
-
-    def test_tokens_equal_with_requests_on_both_ranks(self, dp_servers):
-        off, on, _ = dp_servers
-        starts = on.offload_states()
-        assert len(starts) == 2, "one offload state per attention-DP rank"
-        assert_same_batch(off, on, self.PROMPTS, self.NEW_TOKENS)
-        on.wait_no_leak()
-        for rank, (start, end) in enumerate(zip(starts, on.offload_states())):
-            # Every rank decoded its own requests, evicting and reloading from its own host pool.
-            loaded, selected = end["loaded"] - start["loaded"], end["selected"] - start["selected"]
-            assert loaded > 0.3 * selected > 0, (rank, loaded, selected)
-            assert end["host_pool"]["shared_by_ranks"] == 1, end["host_pool"]
-            assert end["error_flags"] == 0 and end["free"] == end["initial_free"], (rank, end)
-
-    def test_retraction_on_both_ranks_completes_and_frees_everything(self, dp_servers):
-        _, _, on = dp_servers
-        outs = tokens(on.generate_batch(self.PROMPTS, self.NEW_TOKENS))
-        assert [len(o) for o in outs] == [self.NEW_TOKENS] * len(self.PROMPTS)
-        on.wait_no_leak()
-        retracted = re.findall(
-            r"DP(\d) TP\d\] Testing retraction. #retracted_reqs: (\d+)", on.log()
-        )
-        assert {rank for rank, n in retracted if int(n) > 0} == {"0", "1"}, retracted
-        assert all(s["error_flags"] == 0 for s in on.offload_states())
-
-
 CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_pool_slots=SLOTS)
 
 
