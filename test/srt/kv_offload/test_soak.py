@@ -126,6 +126,15 @@ def test_responses_that_break_the_contract_fail():
     assert check("oversized", 400, {"detail": ""}, 4, "")
 
 
+def test_a_long_error_keeps_its_failure_reason():
+    reason = "Request 7 timed out after 300.0s in KVPoll.WaitingForInput"
+    message = f"Decode transfer failed for request rid='{'a' * 200}' with exception {reason}"
+    problem = soak.response_problem("generate", 500, {"object": "error", "message": message}, 4, "")
+    assert problem.startswith("HTTP 500 with no fault active: Decode transfer failed")
+    assert problem.endswith(reason) and " ... " in problem and len(soak.shorten(message)) == 305
+    assert soak.shorten("short") == "short"
+
+
 def test_shm_files_named_after_our_processes_are_found(tmp_path):
     for name in ("sglang-kv-offload-4242-0a1b2c-node0", "sgl_shm_mq_4242_77", "other_42420_1"):
         (tmp_path / name).touch()
