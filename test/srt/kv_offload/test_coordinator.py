@@ -21,6 +21,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     set_index_rows,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 P = 64
@@ -53,6 +54,8 @@ class Harness:
         debug=True,
         prefetch_next_layer=False,
         topk=TOPK,
+        verify_tokens=1,
+        tail_pages=2,
     ):
         self.device = device
         self.topk = topk
@@ -81,6 +84,8 @@ class Harness:
             self.sparse,
             max_bs=max_reqs,
             prefetch_next_layer=prefetch_next_layer,
+            verify_tokens=verify_tokens,
+            tail_pages=tail_pages,
         )
         self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
@@ -236,6 +241,88 @@ def test_random_lifecycles_resolve_rows_and_leak_nothing(data):
         elif h.kv:
             h.step(sorted(h.kv), draw_topk)
         h.coord.poll()
+    h.finish_all()
+
+
+def test_speculative_verify_loads_the_union_once_and_backs_up_committed_pages_only():
+    """EAGLE-style steps: locs allocated ahead of the committed tokens, ``D`` tokens verified per
+    step (their KV written into tail rows, rejected ones rewritten next step), each layer's
+    ``[bs, D, K]`` top-k resolved in one plan row per request."""
+    D, reserve = 3, 6
+    h = Harness(physical_pages=20, buffer_slots=D * TOPK, verify_tokens=D, tail_pages=3)
+    assert h.admit(150) and h.admit(70)
+    reqs = sorted(h.kv)
+    allocated = {r: h.seq_len(r) for r in reqs}
+    gen = torch.Generator().manual_seed(5)
+    loaded = 0
+    for _ in range(40):
+        committed = {r: h.seq_len(r) for r in reqs}
+        for r in reqs:  # upstream's alloc_for_spec_decode: whole pages past committed + reserve
+            a, nxt = allocated[r], -(-(committed[r] + reserve) // P) * P
+            if nxt > a:
+                d = h.device
+                pre, seq = torch.tensor([a]), torch.tensor([nxt])
+                last = h.r2t.req_to_token[r, a - 1 : a].long()
+                new = h.alloc.alloc_extend(pre.to(d), pre, seq.to(d), seq, last, nxt - a)
+                assert new is not None
+                h.r2t.req_to_token[r, a:nxt] = new.to(torch.int32)
+                allocated[r] = nxt
+        failed = h.coord.before_decode_step(
+            reqs, [allocated[r] for r in reqs], [committed[r] for r in reqs]
+        )
+        assert not failed
+        # Verify writes the KV of the bonus token and the D - 1 drafts.
+        drafts = {}
+        for r in reqs:
+            c = committed[r]
+            drafts[r] = [h.rand_rows(D) for _ in range(LAYERS)]
+            h.write_rows(h.r2t.req_to_token[r, c : c + D].long(), drafts[r])
+        rpi = torch.tensor(reqs, dtype=torch.int64)
+        h.adapter.num_real_reqs.fill_(len(reqs))
+        for layer in range(LAYERS):
+            topk = torch.full((len(reqs), D, TOPK), -1, dtype=torch.int32)
+            truth = {}
+            for b, r in enumerate(reqs):
+                c = committed[r]
+                rows = torch.cat([h.kv[r][layer], drafts[r][layer]])
+                shared = torch.randint(0, c, (TOPK // 2,), generator=gen)
+                for j in range(D):  # draft token j sees c + j + 1 tokens; half its top-k shared
+                    own = torch.randint(0, c + j + 1, (TOPK - TOPK // 2,), generator=gen)
+                    topk[b, j] = torch.cat([shared, own]).to(torch.int32)
+                truth[r] = rows
+            # The union of the request's D rows, minus what is resident: each loaded once.
+            state = h.sparse.layer(layer)
+            expect = 0
+            for b, r in enumerate(reqs):
+                locs = h.r2t.req_to_token[r][topk[b].flatten().long()].long().unique()
+                resident = (state.loc_to_slot[locs] >= 0) | (
+                    h.alloc.full_to_hisparse_device_index_mapping[locs] > 0
+                )
+                expect += int((~resident).sum())
+            out = h.adapter.swap_in_selected_pages(rpi, None, topk, layer)
+            assert out.shape == topk.shape
+            assert int(h.coord.verify_workspace.error_flags[0]) == 0
+            assert int(h.coord.verify_workspace.miss_count[0]) == expect
+            loaded += expect
+            view = h.pool.device_row_view(layer)
+            for b, r in enumerate(reqs):
+                got = out[b].flatten().long()
+                assert torch.equal(view[got], truth[r][topk[b].flatten().long()])
+        # Accept a random number of drafts: the bonus token and the accepted drafts commit.
+        for r in reqs:
+            accepted = int(torch.randint(0, D, (1,), generator=gen))
+            for layer in range(LAYERS):
+                h.kv[r][layer] = torch.cat([h.kv[r][layer], drafts[r][layer][: accepted + 1]])
+        h.sparse.check_invariants()
+    assert h.coord.stats["admitted"] == 2 and loaded > 0
+    assert int(h.coord.workspace.stats[STAT_NAMES.index("loaded")]) == loaded
+    h.coord.drain()
+    for r in reqs:  # backups cover committed whole pages only, never positions allocated ahead
+        locs = h.r2t.req_to_token[r, : allocated[r]].long()
+        on_host = (h.alloc.loc_to_host[locs] >= 0).tolist()
+        done = h.seq_len(r) // P * P
+        assert all(on_host[:done]) and not any(on_host[done:])
+        h.kv[r] = [torch.zeros((allocated[r], ROW), dtype=torch.uint8)] * LAYERS  # free them all
     h.finish_all()
 
 

@@ -163,7 +163,6 @@ def test_hisparse_from_cli_is_rejected():
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
         (["--pp-size", "2"], "--pp-size 2"),
         (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
         (["--disaggregation-mode", "prefill"], "decode server only"),
@@ -175,6 +174,19 @@ def test_hisparse_from_cli_is_rejected():
 )
 def test_unsupported_launches_are_rejected(argv, needle):
     assert needle in rejected(make_args("--enable-kv-offload", *argv))
+
+
+def test_other_speculative_algorithms_are_rejected():
+    # Upstream's own checks of NGRAM / STANDALONE need CUDA here; resolve the field directly.
+    args = resolved(make_args("--enable-kv-offload"), speculative_algorithm="NGRAM")
+    assert "--speculative-algorithm NGRAM is not supported" in rejected(args)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN"])
+def test_mtp_chain_draft_is_accepted(algorithm):
+    spec = ["--speculative-algorithm", algorithm, "--speculative-num-steps", "3"]
+    spec += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    make_args("--enable-kv-offload", *spec).check_server_args()
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """End to end: speculative decoding (NEXTN = EAGLE on the model's MTP layer) on the tiny real server.
 
-The groundwork of issue #40, flag off only: ``--enable-kv-offload`` still rejects
-``--speculative-algorithm`` (``kv_offload/config.py``). The tiny DeepSeek-V3.2 gets one MTP layer
+Flag off, and with ``--enable-kv-offload``: target verify then plans each request's draft tokens'
+top-k as one row (their union's misses loaded once), the draft positions' KV sits in GPU tail rows
+until committed, and the MTP layer keeps its own dense KV. The tiny DeepSeek-V3.2 gets one MTP layer
 (``num_nextn_predict_layers: 1``, dummy weights: upstream builds ``DeepseekV3ForCausalLMNextN`` as
 the draft model and shares the target's embedding and LM head with it), and the server runs
 upstream's speculative path on the CPU as DeepSeek-V3.2 is served: ``--speculative-eagle-topk 1``,
@@ -41,7 +42,14 @@ SPEC = [
     "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", str(DRAFT_TOKENS),
 ]  # fmt: skip
-PROMPT_LENS = (40, 100, 300)  # below and above the index top-k (sparse attention from 65 tokens)
+PROMPT_LENS = (40, 100, 300, 700)  # below and above the index top-k (sparse from 65 tokens)
+# Slots for the union of a verify step's DRAFT_TOKENS top-k sets (the least kv offload accepts):
+# the 300- and 700-token requests outgrow them and load from the host.
+OFFLOAD = [
+    "--enable-kv-offload",
+    "--kv-offload-config",
+    json.dumps({"sparse_slots_per_req": DRAFT_TOKENS * TOPK}),
+]
 
 
 def prompt(n: int, seed: int) -> List[int]:
@@ -49,17 +57,36 @@ def prompt(n: int, seed: int) -> List[int]:
     return [rng.randrange(2, 500) for _ in range(n)]
 
 
-def serve(args: List[str], log_path, prompts: List[List[int]]) -> List[dict]:
+def serve(args: List[str], log_path, prompts: List[List[int]], offload_state=None) -> List[dict]:
     server = TinyServer(MODEL + args, log_path)
     with started(server):
-        return [server.generate(p, NEW_TOKENS) for p in prompts]
+        outs = [server.generate(p, NEW_TOKENS) for p in prompts]
+        if offload_state is not None:
+            offload_state.update(server.wait_no_leak())
+        return outs
 
 
-def test_mtp_greedy_tokens_equal_no_spec_server(tmp_path):
-    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPT_LENS)]
-    # One server at a time (the machine is shared); the reference first.
-    reference = serve([], tmp_path / "off.log", prompts)
-    spec = serve(SPEC, tmp_path / "spec.log", prompts)
+PROMPTS = [prompt(n, seed) for seed, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> List[dict]:
+    """The flag-off server without speculative decoding (one server at a time: the machine is
+    shared)."""
+    return serve([], tmp_path_factory.mktemp("spec") / "off.log", PROMPTS)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["flag-off", "kv-offload"])
+def test_mtp_greedy_tokens_equal_no_spec_server(tmp_path, reference, offload):
+    prompts = PROMPTS
+    state = {} if offload else None
+    spec = serve(SPEC + (OFFLOAD if offload else []), tmp_path / "spec.log", prompts, state)
+    if offload:
+        # Verify steps loaded the union of the draft tokens' top-k misses from the host (the
+        # longest prompt outgrows its slots), with no plan error; wait_no_leak: every free count
+        # back at start.
+        assert state["loaded"] > 0 and state["error_flags"] == 0
+        assert state["admitted"] == state["released"] == len(prompts)
     for i, (want, got) in enumerate(zip(reference, spec)):
         assert got["output_ids"] == want["output_ids"], f"request {i} (prompt {PROMPT_LENS[i]})"
         meta = got["meta_info"]

@@ -100,12 +100,21 @@ class DSAOffloadAdapter:
     ) -> torch.Tensor:
         """Resolve one layer's top-k to rows of ``kv_buffer[layer]``, loading the misses first.
 
-        ``topk_indices`` are token positions (-1 padded). Returns ``(bs, topk)`` int32 rows (-1
+        ``topk_indices`` are token positions (-1 padded): ``(bs, topk)`` in decode, ``(bs, draft
+        tokens, topk)`` in a speculative target verify. Returns int32 rows of the same shape (-1
         kept) in a workspace tensor; the indexer's tensor is never written (the next layer may
         reuse it).
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
         coord = self.coordinator
+        if topk_indices.dim() == 3:
+            # One plan row per request over its draft tokens' top-k: the plan dedupes a row, so the
+            # union of their misses is loaded once. Draft tokens' own KV is in GPU tail rows.
+            bs, tokens, topk = topk_indices.shape
+            flat = topk_indices.view(bs, tokens * topk)
+            plan = self._plan(req_pool_indices, flat, layer_id, coord.verify_workspace)
+            self._load(plan, layer_id, prefetch=False)
+            return plan.out_indices.view(bs, tokens, topk)
         # The previous layer's prefetch of this one, if any.
         forward = torch.cuda.current_stream() if self._prefetch_in_flight else None
         overlap = forward is not None and self._overlaps_prefetch_load

@@ -231,6 +231,22 @@ def _reject(message: str) -> None:
     raise KVOffloadConfigError(f"--enable-kv-offload: {message}")
 
 
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
+
+
+def _check_speculative(cfg) -> None:
+    """EAGLE / NEXTN (DeepSeek-V3.2's MTP layer): target verify plans the union of its draft
+    tokens' top-k per request (``DSAOffloadAdapter``); other drafts are not wired. A draft tree
+    (``--speculative-eagle-topk`` > 1) upstream already refuses with the DSA backend's page size."""
+    algorithm = str(cfg.speculative_algorithm).upper()
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        _reject(
+            f"--speculative-algorithm {cfg.speculative_algorithm} is not supported: kv offload plans "
+            "the target verify of EAGLE-style drafts only. Use --speculative-algorithm NEXTN (the "
+            "model's MTP layer) or EAGLE."
+        )
+
+
 def _check_direct_to_host(server_args) -> None:
     """``pd_direct_to_host`` needs a PD decode server whose prefill peers write over Mooncake."""
     mode = server_args.disaggregation_mode
@@ -312,11 +328,7 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             )
     speculative = cfg.speculative_algorithm
     if speculative is not None and str(speculative).upper() != "NONE":
-        _reject(
-            f"speculative decoding (--speculative-algorithm {speculative}) is not supported yet: "
-            "draft tokens would need their own sparse slots. Drop --speculative-algorithm or the "
-            "offload flag."
-        )
+        _check_speculative(cfg)
     if not config.pin_host_memory and cfg.device == "cuda":
         _reject(
             "pin_host_memory=false on CUDA: the per-layer loads read the host pool directly from "

@@ -62,6 +62,9 @@ class KVOffloadCoordinator:
         max_bs: the largest decode batch (CUDA-graph capture size); sizes the plan workspace
             the attention adapter plans into.
         pd_direct_to_host: PD prompts arrive in host pages (:meth:`admit_from_host`), not GPU rows.
+        tail_pages: GPU tail pages a decoding request may hold beyond its slots (2; speculative
+            decoding allocates draft positions ahead, see ``runtime.speculative_shape``).
+        verify_tokens: tokens per request of a speculative target verify (1: no speculation).
         forward_stream: the stream the model runner's forwards run on (``ModelRunner.forward_stream``).
             Under the overlap scheduler the scheduler-side calls run while the previous batch's
             forward is still in flight; each first makes the current stream wait for this one, so
@@ -73,7 +76,7 @@ class KVOffloadCoordinator:
             translation; with a real multi-layer pool the strided pass is (JOURNAL.md).
 
     Admission control: every live request (pre-allocated for a PD transfer, or admitted) is promised
-    the physical rows it may come to hold, its sparse slots for its final context plus two tail pages
+    the physical rows it may come to hold, its sparse slots for its final context plus its tail pages
     (:meth:`reserve`). New prompts may only stage into rows nobody is promised
     (:meth:`unreserved_physical_rows`), so a request admitted by the scheduler always finds its
     slots; the physical pool is sized for ``max_running_requests`` such promises plus one prompt.
@@ -91,6 +94,8 @@ class KVOffloadCoordinator:
         status_log_interval: int = 0,
         forward_stream: Optional[torch.Stream] = None,
         prefetch_next_layer: bool = False,
+        tail_pages: int = 2,
+        verify_tokens: int = 1,
     ) -> None:
         self.req_to_token = req_to_token
         self.allocator = allocator
@@ -103,6 +108,20 @@ class KVOffloadCoordinator:
         self.forward_stream = forward_stream if self.device.type == "cuda" else None
         self.workspace = PlanWorkspace(
             max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device
+        )
+        self.tail_pages = tail_pages
+        # Speculative target verify plans each request's ``verify_tokens`` top-k rows as one row
+        # of their union (``DSAOffloadAdapter``), counting into the decode plan's counters.
+        self.verify_workspace = (
+            PlanWorkspace(
+                max_bs,
+                verify_tokens * sparse_cache.topk,
+                sparse_cache.max_slots,
+                self.device,
+                counters_of=self.workspace,
+            )
+            if verify_tokens > 1
+            else None
         )
         # Cross-layer prefetch plans into its own workspace: it runs beside the next layer's
         # indexer and this layer's attention, which still read the main one.
@@ -137,9 +156,9 @@ class KVOffloadCoordinator:
     # ------------------------------------------------------------------ admission control
     @property
     def rows_promised(self) -> int:
-        """Physical rows a request may come to hold: its most sparse slots + 2 tail pages (the
+        """Physical rows a request may come to hold: its most sparse slots + its tail pages (the
         unit the physical pool is sized in)."""
-        return self.sparse_cache.max_slots + 2 * self.page_size
+        return self.sparse_cache.max_slots + self.tail_pages * self.page_size
 
     def unreserved_physical_rows(self) -> int:
         """Free physical rows minus what live requests are promised and do not hold as slots yet.
@@ -256,14 +275,18 @@ class KVOffloadCoordinator:
         self.stats["admitted_from_host"] += 1
 
     def before_decode_step(
-        self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]
+        self,
+        req_pool_indices: Sequence[int],
+        seq_lens: Sequence[int],
+        written_lens: Optional[Sequence[int]] = None,
     ) -> List[Tuple[int, str]]:
         """Between forwards: complete finished backups, back up newly completed pages, grow slots.
 
         ``seq_lens`` are the lengths including the token about to be decoded (whose logical loc and
         tail row are already allocated, but whose KV the coming forward writes): only the
         ``seq_len - 1`` written positions are backed up, so a page completed by that token waits for
-        the next step.
+        the next step. ``written_lens`` overrides that count (speculative decoding: positions up to
+        ``seq_len`` are allocated ahead for draft tokens, and only committed ones are final).
 
         Returns ``(req_pool_idx, reason)`` for requests that must fail now rather than attend
         rows they could not be given: slots that could not grow with the context, or a plan error
@@ -283,12 +306,14 @@ class KVOffloadCoordinator:
             logger.error("kv_offload: %s; failing the %d running requests", reason, len(seq_lens))
             failed = [(int(r), reason) for r in req_pool_indices]
         reqs = []
-        for r, n in zip(req_pool_indices, seq_lens):
+        if written_lens is None:
+            written_lens = [int(n) - 1 for n in seq_lens]
+        for r, n, w in zip(req_pool_indices, seq_lens, written_lens):
             req = self.requests.get(int(r))
             if req is None:
                 continue  # not offloaded (e.g. admitted in this very step by the caller later)
             req.seq_len = int(n)
-            req.written_len = int(n) - 1
+            req.written_len = int(w)
             if not self._grant_slots(req):
                 failed.append((req.req_pool_idx, self._no_slots_reason(req)))
             reqs.append(req)

@@ -77,13 +77,16 @@ def physical_slots_needed(
     sparse_slots_per_request: int,
     staging_tokens: int,
     page_size: int = PAGE_SIZE,
+    tail_pages: int = 2,
 ) -> int:
     """Physical rows for a decode batch.
 
-    Per request: its sparse slots, the decode tail page and the previous page while its backup is in
-    flight. Plus ``staging_tokens`` for prompt KV that has arrived but is not yet backed up.
+    Per request: its sparse slots and ``tail_pages`` pages of decode tail (the page being written and
+    the previous one while its backup is in flight; speculative decoding adds the pages its draft
+    tokens are allocated ahead into). Plus ``staging_tokens`` for prompt KV that has arrived but is
+    not yet backed up.
     """
-    per_req = ceil_align(sparse_slots_per_request, page_size) + 2 * page_size
+    per_req = ceil_align(sparse_slots_per_request, page_size) + tail_pages * page_size
     total = max_running_requests * per_req + ceil_align(staging_tokens, page_size)
     return total
 
@@ -96,18 +99,20 @@ def split_gpu_budget(
     page_size: int = PAGE_SIZE,
     *,
     index_row_bytes: int,
+    draft_bytes_per_token: int = 0,
 ) -> OffloadPoolSizing:
     """Split a GPU byte budget into (logical tokens, physical slots).
 
     Physical rows cost ``row_bytes * num_layers`` each; every remaining byte goes to logical tokens
     at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
-    the host: index keys plus LRU state). Both counts are page aligned. Upstream
-    ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token, which overstates
-    an offloaded token's cost by ~6x.
+    the host: index keys plus LRU state), plus ``draft_bytes_per_token`` (a speculative draft
+    model's dense KV, which upstream sizes by the same logical locs). Both counts are page
+    aligned. Upstream ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token,
+    which overstates an offloaded token's cost by ~6x.
     """
     physical_slots = ceil_align(physical_slots, page_size)
     kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
-    per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes)
+    per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes) + draft_bytes_per_token
     left = budget_bytes - kv_bytes
     logical = max(0, left) // per_logical // page_size * page_size
     if logical < page_size:

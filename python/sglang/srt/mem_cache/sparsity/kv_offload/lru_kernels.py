@@ -218,11 +218,17 @@ class PlanWorkspace:
     """Preallocated outputs and scratch of :func:`plan_layer` for up to ``max_bs`` rows.
 
     Outputs are reused by every layer: consume them (H2D + attention) before the next layer's plan,
-    which is the natural stream order.
+    which is the natural stream order. ``counters_of``: count into that workspace's ``stats`` and
+    ``error_flags`` (one set of counters for plans of two row widths, e.g. decode and verify).
     """
 
     def __init__(
-        self, max_bs: int, topk: int, max_slots: int, device: torch.device | str = "cuda"
+        self,
+        max_bs: int,
+        topk: int,
+        max_slots: int,
+        device: torch.device | str = "cuda",
+        counters_of: Optional["PlanWorkspace"] = None,
     ) -> None:
         self.max_bs = max_bs
         self.topk = topk
@@ -234,8 +240,11 @@ class PlanWorkspace:
         self.miss_dst = torch.full((max_bs * topk,), -1, dtype=torch.int32, device=dev)
         self.num_misses = torch.zeros((max_bs,), dtype=torch.int32, device=dev)
         self.miss_count = torch.zeros((1,), dtype=torch.int32, device=dev)
-        self.error_flags = torch.zeros((1,), dtype=torch.int32, device=dev)
-        self.stats = torch.zeros((len(STAT_NAMES),), dtype=torch.int64, device=dev)
+        if counters_of is not None:
+            self.error_flags, self.stats = counters_of.error_flags, counters_of.stats
+        else:
+            self.error_flags = torch.zeros((1,), dtype=torch.int32, device=dev)
+            self.stats = torch.zeros((len(STAT_NAMES),), dtype=torch.int64, device=dev)
         self._mark = torch.zeros((max_bs, self.block_s), dtype=torch.int32, device=dev)
         self._vict = torch.zeros((max_bs, self.block_k), dtype=torch.int32, device=dev)
 

@@ -23,6 +23,7 @@ from sglang.srt.configs.model_config import get_dsa_index_topk
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -48,10 +49,27 @@ from sglang.srt.runtime_context import (
     get_parallel,
     get_schedule,
     get_serving,
+    get_spec,
 )
 from sglang.srt.utils.common import ceil_align
 
 logger = logging.getLogger(__name__)
+
+
+def speculative_shape(page_size: int) -> Tuple[int, int]:
+    """``(verify tokens per request, decode tail pages per request)`` of this server.
+
+    Without speculative decoding: one token, two tail pages (the page being written and the
+    previous one while its backup is in flight). With it, target verify checks
+    ``--speculative-num-draft-tokens`` tokens per request, and each decode step allocates locs up
+    to upstream's reserve (``get_alloc_reserve_per_decode``) past the committed tokens, so the
+    tail may reach that many positions further.
+    """
+    spec = get_spec()
+    if spec.speculative_algorithm is None:
+        return 1, 2
+    reserve_pages = -(-get_alloc_reserve_per_decode() // page_size)
+    return int(spec.speculative_num_draft_tokens), 2 + reserve_pages
 
 
 def device_pool_factory(
@@ -90,37 +108,47 @@ def build_device_pool(
             "model or launch has another layout. Drop the flag."
         )
     config = KVOffloadConfig.from_json(get_memory().kv_offload_config)
-    config.check(index_topk=get_dsa_index_topk(model_config.hf_config))
+    topk = get_dsa_index_topk(model_config.hf_config)
+    config.check(index_topk=topk)
     layers = pool_kwargs["layer_num"]
     dtype = pool_kwargs["dtype"]
     store_dtype = torch.uint8 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
     row = kv_row_bytes(pool_kwargs["kv_cache_dim"], store_dtype)
     index_row = index_row_bytes(pool_kwargs["index_head_dim"])
     page = pool_kwargs["page_size"]
+    verify_tokens, tail_pages = speculative_shape(page)
+    if config.sparse_slots_per_req < verify_tokens * topk:
+        # A verify step's draft tokens may select disjoint top-k sets, all resident at once.
+        raise KVOffloadConfigError(
+            f"--kv-offload-config: sparse_slots_per_req={config.sparse_slots_per_req} cannot hold "
+            f"the union of the top-k ({topk}) of the {verify_tokens} tokens a speculative verify "
+            f"step checks per request. Set sparse_slots_per_req to at least "
+            f"{ceil_align(verify_tokens * topk, page)} or lower --speculative-num-draft-tokens."
+        )
     budget = size * (row + index_row) * layers
     staging = max(model_config.context_len, get_schedule().chunked_prefill_size or 0)
+    slots = config.sparse_slots_per_req
     physical = config.sparse_pool_slots or physical_slots_needed(
-        max_running, config.sparse_slots_per_req, staging, page
+        max_running, slots, staging, page, tail_pages
     )
     if config.pd_direct_to_host:
         # admit_from_host must always find every running request's slots and tail pages.
-        floor = physical_slots_needed(max_running, config.sparse_slots_per_req, 0, page)
+        floor = physical_slots_needed(max_running, slots, 0, page, tail_pages)
         if physical < floor:
             raise KVOffloadConfigError(
                 f"--kv-offload-config: sparse_pool_slots={physical} is too small for "
-                f"pd_direct_to_host: {max_running} requests x (sparse_slots_per_req="
-                f"{config.sparse_slots_per_req} + 2 tail pages) need {floor}. Set it to 0 (auto) "
-                f"or at least {floor}."
+                f"pd_direct_to_host: {max_running} requests x (sparse_slots_per_req={slots} + "
+                f"{tail_pages} tail pages) need {floor}. Set it to 0 (auto) or at least {floor}."
             )
     # Otherwise any prompt the server accepts must be able to stage in GPU rows beside one
-    # request's promise (sparse slots + 2 tail pages), or it would wait for ever.
-    elif physical < physical_slots_needed(1, config.sparse_slots_per_req, staging, page):
-        floor = physical_slots_needed(1, config.sparse_slots_per_req, staging, page)
+    # request's promise (sparse slots + tail pages), or it would wait for ever.
+    elif physical < physical_slots_needed(1, slots, staging, page, tail_pages):
+        floor = physical_slots_needed(1, slots, staging, page, tail_pages)
         raise KVOffloadConfigError(
             f"--kv-offload-config: sparse_pool_slots={physical} cannot stage a prompt of the "
             f"context length ({staging} tokens) beside one request's sparse slots "
-            f"(sparse_slots_per_req={config.sparse_slots_per_req} + 2 tail pages): it needs at "
-            f"least {floor}. Set it to 0 (auto), at least {floor}, or lower --context-length."
+            f"(sparse_slots_per_req={slots} + {tail_pages} tail pages): it needs at least "
+            f"{floor}. Set it to 0 (auto), at least {floor}, or lower --context-length."
         )
     sizing = split_gpu_budget(
         budget,
@@ -129,6 +157,7 @@ def build_device_pool(
         physical,
         page,
         index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
+        draft_bytes_per_token=_draft_bytes_per_token(model_config, row + index_row),
     )
     return KVOffloadDSATokenToKVPool(
         physical_size=sizing.physical_slots,
@@ -137,6 +166,14 @@ def build_device_pool(
         sizing=sizing,
         **pool_kwargs,
     )
+
+
+def _draft_bytes_per_token(model_config, layer_bytes: int) -> int:
+    """GPU bytes per logical token of the speculative draft model's KV: the MTP layer keeps a dense
+    DSA pool (KV row and index keys) indexed by the target's logical locs, so it grows with them."""
+    if get_spec().speculative_algorithm is None:
+        return 0
+    return layer_bytes * max(1, getattr(model_config.hf_config, "num_nextn_predict_layers", 1) or 1)
 
 
 def build_allocator(pool: KVOffloadDSATokenToKVPool, need_sort: bool):
@@ -204,6 +241,7 @@ def init_offload(runner) -> None:
         allocator=allocator.hisparse_attn_allocator,
         device=runner.device,
     )
+    verify_tokens, tail_pages = speculative_shape(pool.page_size)
     graph_max_bs = get_exec().graph.cuda_graph_config.decode.max_bs or 0
     max_bs = max(graph_max_bs, runner.req_to_token_pool.size)
     coordinator = KVOffloadCoordinator(
@@ -217,6 +255,8 @@ def init_offload(runner) -> None:
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
         prefetch_next_layer=config.prefetch_next_layer,
+        tail_pages=tail_pages,
+        verify_tokens=verify_tokens,
     )
     metrics = None
     if get_observability().enable_metrics:
@@ -291,8 +331,16 @@ class KVOffloadRuntime(KVOffloadHooks):
     def prepare_decode_step(self, batch) -> None:
         coordinator = self.coordinator
         req_pool_indices = [req.kv.req_pool_idx for req in batch.reqs]
-        seq_lens = batch.seq_lens_cpu.tolist()
-        for r, n in zip(req_pool_indices, seq_lens):
+        if batch.spec_algorithm.is_none():
+            seq_lens = batch.seq_lens_cpu.tolist()
+            written_lens = [n - 1 for n in seq_lens]
+        else:
+            # Locs are allocated ahead for the draft tokens; only committed KV is final (under
+            # the overlap scheduler the host's count lags a step behind, which only delays
+            # backups).
+            seq_lens = [req.kv.kv_allocated_len for req in batch.reqs]
+            written_lens = [req.kv.kv_committed_len for req in batch.reqs]
+        for r, n, w in zip(req_pool_indices, seq_lens, written_lens):
             if r in coordinator.requests:
                 continue
             if r in self._host_prealloc:
@@ -303,8 +351,8 @@ class KVOffloadRuntime(KVOffloadHooks):
                 )
             # Its prompt (or a resumed request's restored context) is in GPU rows; the token
             # about to be decoded has a loc but no KV yet.
-            coordinator.admit(r, n, written_len=n - 1)
-        failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens))
+            coordinator.admit(r, n, written_len=w)
+        failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens, written_lens))
         for req in batch.reqs:
             reason = failed.get(req.kv.req_pool_idx)
             if reason is not None and not req.finished():
