@@ -602,6 +602,7 @@ def test_documented_pd_decode_command_validates():
     [
         ("**Launch (co-located, one node, TP8):**", 1),
         ("**Launch (co-located, one node, TP8 with attention DP 8):**", 8),
+        ("**Launch (co-located, one node, TP8, MTP):**", 1),
     ],
 )
 def test_documented_colocated_commands_validate(heading, attn_dp_size):
