@@ -15,7 +15,7 @@ Run on the GPU machine (``source scripts/gpu_env.sh`` first). For each ``(batch,
 3. **Offload time per step**: the real host pool (pinned, ``host_layers`` layers), controller,
    GPU LRU and coordinator at that batch. Prompts are written to physical rows and admitted (the
    prompt backup is timed), then decode steps run: ``alloc_decode`` + ``before_decode_step`` (page
-   backups) and, for every layer, ``swap_in_selected_pages`` (positions -> locs, plan, grouped H2D)
+   backups) and, for every layer, ``swap_in_selected_pages`` (positions -> locs, plan, H2D load)
    replayed from one CUDA graph. Random weights give no realistic top-k, so the positions follow a
    trace (``--trace``): ``uniform`` replaces ``churn`` of the previous step's top-k per layer with
    never-seen positions (as in bench_lru); ``realistic`` is ``traces.py`` (sinks, local window,

@@ -354,17 +354,6 @@ class Bench:
             if getattr(self, "_views_of", None) != (host_w.data_ptr(), dev_w.data_ptr()):
                 self._views = (self.transfer.RowView(host_w), self.transfer.RowView(dev_w))
                 self._views_of = (host_w.data_ptr(), dev_w.data_ptr())
-            if not compact and self.a.grouped and hasattr(self.transfer, "copy_rows_grouped"):
-                self.transfer.copy_rows_grouped(
-                    *self._views,
-                    res.miss_host,
-                    res.miss_dst,
-                    res.num_misses,
-                    programs_per_group=self.a.group_programs,
-                    rows_per_program=self.a.copy_rows,
-                    num_warps=self.a.copy_warps,
-                )
-                return
             src, dst = res.miss_host, res.miss_dst
             if compact and self.sort_misses:
                 # Experiment: misses in host-address order; entries past the device-side count
@@ -736,12 +725,6 @@ def main() -> None:
         action="store_true",
         help="use the minimal built-in gather instead of kv_offload.transfer",
     )
-    p.add_argument(
-        "--grouped",
-        action="store_true",
-        help="row-packed variant copies with transfer.copy_rows_grouped (one grid row per request)",
-    )
-    p.add_argument("--group-programs", type=int, default=8, help="programs per request (grouped)")
     p.add_argument("--no-community", action="store_true")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-rowpacked", dest="rowpacked", action="store_false")

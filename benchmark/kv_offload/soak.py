@@ -72,10 +72,10 @@ COMMON = [
     "--max-running-requests", str(RUNNING),
 ]  # fmt: skip
 # As test_real_server's ON server: a quarter of the GPU budget (eviction and reload at most steps),
-# the cross-layer prefetch on for batches of up to 2, metrics.
+# metrics.
 SERVER_ARGS = COMMON + ["--context-length", str(CONTEXT), "--max-total-tokens", "4096"]
 OFFLOAD = {"sparse_slots_per_req": 128}
-SERVER_OFFLOAD = {**OFFLOAD, "prefetch_next_layer": True, "prefetch_max_bs": 2}
+SERVER_OFFLOAD = OFFLOAD
 PD_OFFLOAD = {**OFFLOAD, "pd_direct_to_host": True}
 RETRACT_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
 WORKERS = 4
@@ -140,12 +140,12 @@ def idle_problems(state: Dict) -> List[str]:
 
 
 def metrics_problems(state: Dict, prometheus: str, layers: int = MODEL["num_hidden_layers"]):
-    """Rows x row bytes = bytes (loads and prefetch loads); the host pool is tokens x rows x
-    layers; the Prometheus counters equal ``/server_info``'s."""
+    """Rows x row bytes = bytes loaded; the host pool is tokens x rows x layers; the Prometheus
+    counters equal ``/server_info``'s."""
     out = []
-    for rows, nbytes in (("loaded", "loaded_bytes"), ("prefetch_loaded", "prefetch_loaded_bytes")):
-        if state[rows] * ROW_BYTES != state[nbytes]:
-            out.append(f"{rows} {state[rows]} x {ROW_BYTES} B != {nbytes} {state[nbytes]}")
+    rows, nbytes = state["loaded"], state["loaded_bytes"]
+    if rows * ROW_BYTES != nbytes:
+        out.append(f"loaded {rows} x {ROW_BYTES} B != loaded_bytes {nbytes}")
     host = state["host_pool"]
     if host["bytes"] != host["tokens"] * ROW_BYTES * layers:
         out.append(f"host pool {host['bytes']} B != {host['tokens']} x {ROW_BYTES} x {layers}")
@@ -249,7 +249,7 @@ class Tally:
     @staticmethod
     def counters(state: Dict) -> Counter:
         keys = ("admitted", "released", "backup_tokens", "prefill_waits", "decode_steps")
-        keys += ("selected", "hits", "loaded", "loaded_bytes", "prefetch_loaded")
+        keys += ("selected", "hits", "loaded", "loaded_bytes")
         return Counter({k: state[k] for k in keys if k in state})
 
     def summary(self) -> Dict:

@@ -608,7 +608,7 @@ def main() -> None:
         "--offload-config",
         type=json.loads,
         default={},
-        help="more --kv-offload-config keys for the flag-on server, e.g. '{\"prefetch_next_layer\": true}'",
+        help="more --kv-offload-config keys for the flag-on server, e.g. '{\"host_pool_ratio\": 2}'",
     )
     p.add_argument("--deadline-s", type=float, default=560, help="stop starting work after this")
     p.add_argument(

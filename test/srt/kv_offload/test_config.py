@@ -13,11 +13,8 @@ DOCUMENTED_DEFAULTS = {
     "host_pool_size_gb": 0.0,
     "host_pool_ratio": 1.0,
     "pin_host_memory": True,
-    "h2d_programs_per_req": 0,
     "pd_direct_to_host": False,
     "status_log_interval": 1000,
-    "prefetch_next_layer": False,
-    "prefetch_max_bs": 0,
     "share_host_pool": True,
 }
 
@@ -34,11 +31,8 @@ def test_values_round_trip():
         "sparse_pool_slots": 65536,
         "host_pool_size_gb": 200,
         "pin_host_memory": False,
-        "h2d_programs_per_req": 4,
         "pd_direct_to_host": True,
         "status_log_interval": 0,
-        "prefetch_next_layer": True,
-        "prefetch_max_bs": 64,
         "share_host_pool": False,
     }
     cfg = KVOffloadConfig.from_json(json.dumps(raw))
@@ -57,6 +51,7 @@ def test_values_round_trip():
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
         ('{"sparse_slot": 4096}', "unknown key(s) ['sparse_slot']"),
+        ('{"prefetch_next_layer": true}', "unknown key(s) ['prefetch_next_layer']"),
         ('{"sparse_slots_per_req": 4000}', "multiple of 64"),
         ('{"sparse_slots_per_req": -64}', "positive multiple of 64"),
         ('{"sparse_slots_per_req": 0}', "positive multiple of 64"),
@@ -69,7 +64,6 @@ def test_values_round_trip():
         ('{"host_pool_ratio": 0.5}', "must be >= 1"),
         ('{"host_pool_size_gb": 10, "host_pool_ratio": 2}', "set only one of them"),
         ('{"pin_host_memory": 1}', "must be a JSON bool"),
-        ('{"h2d_programs_per_req": -4}', "must be >= 0"),
         ('{"pd_direct_to_host": "yes"}', "pd_direct_to_host must be a JSON bool"),
         ('{"sparse_slots_per_req": 40000}', "above 32767, the most the GPU LRU can order"),
         ('{"host_pool_size_gb": Infinity}', "must be a finite number >= 0"),
@@ -78,11 +72,6 @@ def test_values_round_trip():
         ("", "is empty"),
         ("   ", "is empty"),
         ('{"sparse_slots_per_req": 4096, "sparse_slots_per_req": 8192}', "more than once"),
-        (
-            '{"prefetch_next_layer": true, "prefetch_max_bs": -1}',
-            "prefetch_max_bs=-1 must be >= 0",
-        ),
-        ('{"prefetch_max_bs": 64}', 'add "prefetch_next_layer": true or drop prefetch_max_bs'),
     ],
 )
 def test_rejections_name_the_flag_and_the_problem(text, needle):
@@ -91,6 +80,20 @@ def test_rejections_name_the_flag_and_the_problem(text, needle):
     message = str(info.value)
     assert "--kv-offload-config" in message
     assert needle in message
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("prefetch_next_layer", True), ("prefetch_max_bs", 2), ("h2d_programs_per_req", 4)],
+)
+def test_removed_keys_are_rejected_with_the_valid_keys(key, value):
+    """Keys of removed experiments (JOURNAL.md, "Experiments that left the tree") fail loudly, so an
+    old deployment's config is not half applied."""
+    with pytest.raises(KVOffloadConfigError) as info:
+        KVOffloadConfig.from_json(json.dumps({"sparse_slots_per_req": 4096, key: value}))
+    message = str(info.value)
+    assert f"--kv-offload-config has unknown key(s) ['{key}']" in message
+    assert f"Valid keys: {sorted(DOCUMENTED_DEFAULTS)}" in message
 
 
 def test_buffer_must_cover_index_topk():

@@ -52,13 +52,10 @@ class Harness:
         max_reqs=6,
         device="cpu",
         debug=True,
-        prefetch_next_layer=False,
-        topk=TOPK,
         verify_tokens=1,
         tail_pages=2,
     ):
         self.device = device
-        self.topk = topk
         self.pool = offload_device_pool(
             physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
@@ -73,7 +70,7 @@ class Harness:
             num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=max_reqs + 1,  # request rows 1..max_reqs; row 0 is the padding row
             buffer_slots=buffer_slots,
-            topk=topk,
+            topk=TOPK,
             allocator=self.alloc.hisparse_attn_allocator,
             device=device,
         )
@@ -83,7 +80,6 @@ class Harness:
             self.controller,
             self.sparse,
             max_bs=max_reqs,
-            prefetch_next_layer=prefetch_next_layer,
             verify_tokens=verify_tokens,
             tail_pages=tail_pages,
         )
@@ -175,8 +171,8 @@ class Harness:
         padded = torch.cat([rpi, rpi[:1]])
         self.adapter.num_real_reqs.fill_(bs)
         for layer in range(LAYERS):
-            positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(self.topk))]
-            topk = torch.full((bs + 1, self.topk), -1, dtype=torch.int32, device=self.device)
+            positions = [draw_topk(self.seq_len(r)) for r in reqs] + [list(range(TOPK))]
+            topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device=self.device)
             # The indexer's unfused top-k: token positions, -1 padded (HiSparse's decode contract).
             for b, pos in enumerate(positions[:bs]):
                 topk[b, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
@@ -326,10 +322,8 @@ def test_speculative_verify_loads_the_union_once_and_backs_up_committed_pages_on
     h.finish_all()
 
 
-@pytest.mark.parametrize("grouped_loads", [True, False])
-def test_long_request_pages_move_to_host_and_come_back(grouped_loads):
+def test_long_request_pages_move_to_host_and_come_back():
     h = Harness(physical_pages=16)
-    h.coord.grouped_loads = grouped_loads
     assert h.admit(190)
     r = next(iter(h.kv))
     gen = torch.Generator().manual_seed(3)
@@ -348,113 +342,6 @@ def test_long_request_pages_move_to_host_and_come_back(grouped_loads):
     assert bool(on_host[:done].all()) and not bool(on_host[done:].any())
     # The last token counts as not yet written (the forward writes it): its page waits a step.
     assert h.coord.stats["backup_tokens"] == (n - 1) // P * P
-    h.finish_all()
-
-
-def _stats(workspace) -> dict:
-    return dict(zip(("selected", "hits", "tail", "loaded"), workspace.stats.tolist()))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shared", [True, False])
-def test_prefetch_next_layer_moves_loads_off_the_next_layers_plan(device, shared):
-    """Cross-layer prefetch: layer 0's top-k is planned and loaded for layer 1 before layer 1's own
-    plan. Rows stay exact either way (``Harness.step`` checks every resolved row against the KV
-    truth). When both layers select the same tokens, layer 1's own plan then loads nothing: every
-    row it would have loaded was prefetched, and the prefetch loads exactly those rows. When they
-    select different tokens, the prefetch only adds loads."""
-    runs = {}
-    for prefetch in (False, True):
-        h = Harness(physical_pages=16, device=device, prefetch_next_layer=prefetch)
-        assert h.admit(190)
-        r = next(iter(h.kv))
-        gen = torch.Generator().manual_seed(5)
-        drawn = {}
-
-        def draw(seq_len):
-            # Layer 0 draws; layer 1 repeats layer 0's draw (shared) or draws its own.
-            if shared and seq_len in drawn:
-                return drawn.pop(seq_len)
-            pos = torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
-            drawn[seq_len] = pos
-            return pos
-
-        for _ in range(40):
-            h.step([r], draw)
-            drawn.clear()
-            h.coord.drain()
-        main = _stats(h.coord.workspace)
-        pre = _stats(h.coord.prefetch_workspace) if prefetch else None
-        runs[prefetch] = (main, pre)
-        h.finish_all()
-    (off, _), (on, pre) = runs[False], runs[True]
-    assert pre["selected"] == on["selected"] // 2  # one prefetch plan per step, of layer 0's top-k
-    assert int(off["loaded"]) > 0
-    if shared:
-        # Same LRU trajectory for layer 1 as without prefetch, its loads moved to the prefetch.
-        assert on["loaded"] + pre["loaded"] == off["loaded"]
-        assert pre["loaded"] > 0 and on["loaded"] < off["loaded"]
-    else:
-        assert pre["loaded"] > 0 and on["loaded"] + pre["loaded"] > off["loaded"]
-
-
-@pytest.mark.parametrize("topk, overlaps", [(32, True), (48, False)])
-def test_next_layers_victims_avoid_the_prefetchs_rows_only_with_twice_topk_slots(topk, overlaps):
-    """With ``prefetch_next_layer`` on CUDA the next layer's plan and load run while the prefetch's
-    load into that layer is in flight. That is safe only if the plan never picks a slot the
-    prefetch is loading: true with slots >= 2 * top-k (64 slots, top-k 32), even when the two
-    layers select disjoint tokens; with fewer (top-k 48) such a victim exists, so the adapter
-    waits for the whole prefetch there."""
-    h = Harness(physical_pages=16, device="cpu", prefetch_next_layer=True, topk=topk)
-    assert h.adapter._overlaps_prefetch_load is overlaps
-    assert h.admit(190) and h.admit(230)
-    reqs = sorted(h.kv)
-    gen = torch.Generator().manual_seed(3)
-    layer0 = {}
-
-    def draw(seq_len):
-        # Layer 1 picks only tokens layer 0 did not: every prefetched row is a wasted guess.
-        if seq_len not in layer0:
-            pos = torch.randperm(seq_len, generator=gen)[:topk].tolist()
-            layer0[seq_len] = pos
-            return pos
-        rest = sorted(set(range(seq_len)) - set(layer0.pop(seq_len)))
-        return [rest[i] for i in torch.randperm(len(rest), generator=gen)[:topk].tolist()]
-
-    def loaded(ws):
-        return set(ws.miss_dst[: int(ws.miss_count[0])].tolist())
-
-    taken = []
-    for _ in range(12):
-        h.step(reqs, draw)  # checks every resolved row against the truth
-        prefetched, own = loaded(h.coord.prefetch_workspace), loaded(h.coord.workspace)
-        assert prefetched and own  # layer 1's prefetch and own plan both loaded rows
-        taken.append(len(prefetched & own))
-        h.coord.drain()
-    assert (max(taken) == 0) is overlaps, taken
-    h.finish_all()
-
-
-def test_prefetch_max_bs_skips_larger_batches():
-    """``prefetch_max_bs``: a batch of more rows than the cap (its padded shape) plans and loads
-    only in its own layers; a batch within the cap prefetches. Rows stay exact both ways."""
-    h = Harness(physical_pages=16, device="cpu", prefetch_next_layer=True)
-    h.adapter = DSAOffloadAdapter(h.coord, prefetch_max_bs=2)
-    assert h.admit(150) and h.admit(170)
-    reqs = sorted(h.kv)
-    gen = torch.Generator().manual_seed(9)
-
-    def draw(seq_len):
-        return torch.randint(0, seq_len, (min(TOPK, seq_len),), generator=gen).tolist()
-
-    h.step(reqs[:1], draw)  # one request + the padded row: 2 rows, within the cap
-    one = _stats(h.coord.prefetch_workspace)
-    assert one["selected"] == _stats(h.coord.workspace)["selected"] // 2 > 0
-    h.coord.drain()
-    h.step(reqs, draw)  # 3 rows: above the cap, no prefetch
-    assert _stats(h.coord.prefetch_workspace) == one
-    assert _stats(h.coord.workspace)["selected"] > 2 * one["selected"]
-    h.coord.drain()
     h.finish_all()
 
 
@@ -633,18 +520,10 @@ def test_plan_on_positions_equals_plan_on_their_locs(n_real):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gpu_swap_in_captured_in_cuda_graph_matches_eager(prefetch):
+def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     """Positions -> locs, plan and load_one_layer in one CUDA graph, replayed with new top-k and a
-    padded row, give the same rows, state and KV bytes as eager calls from the same state; with
-    the cross-layer prefetch too (its side stream is forked and joined inside the capture)."""
-    h = Harness(
-        physical_pages=24,
-        logical_pages=64,
-        buffer_slots=64,
-        device="cuda",
-        prefetch_next_layer=prefetch,
-    )
+    padded row, give the same rows, state and KV bytes as eager calls from the same state."""
+    h = Harness(physical_pages=24, logical_pages=64, buffer_slots=64, device="cuda")
     for n in (150, 230, 300):
         assert h.admit(n)
     reqs = sorted(h.kv)

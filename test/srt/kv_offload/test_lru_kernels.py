@@ -233,59 +233,6 @@ def test_topk_input_is_never_written_and_custom_output():
     w.load_and_check(0, topk, rpi, 1, res, compact=True)
 
 
-@pytest.mark.parametrize("positions", [False, True])
-def test_plan_writes_the_prefetch_guess(positions):
-    """``guess_out`` (the cross-layer prefetch's guess, written by the plan instead of a copy
-    launch): each real row's entries as given where they name a loc, -1 where not (a -1 entry, or a
-    position whose ``req_to_token`` entry is -1) and in padded rows; everything else the plan
-    produces is what it produces without it."""
-    w = _fresh_world([200, 150], pool_pages=10)
-    gen = torch.Generator().manual_seed(4)
-    r2t = torch.full((3, 256), -1, dtype=torch.int32)
-    entries = torch.full((3, 32), -1, dtype=torch.int32)  # row 2: padding (stale request 1)
-    for b, r in enumerate((1, 2)):
-        locs = torch.tensor(w.reqs[r], dtype=torch.int32)
-        r2t[r, : locs.numel() - 8] = locs[:-8]  # its last 8 positions map to no loc
-        pick = torch.randperm(locs.numel(), generator=gen)[:28]
-        entries[b, :28] = pick.to(torch.int32) if positions else locs[pick]
-    entries[2] = 5
-    rpi = torch.tensor([1, 2, 1], dtype=torch.int64)
-    nr = torch.tensor([2], dtype=torch.int32)
-    r2t_arg = r2t if positions else None
-    shadow = _clone_state(w.state.layer(0))
-    plain = plan_layer(
-        entries,
-        rpi,
-        nr,
-        w.loc_to_host,
-        w.loc_to_tail,
-        shadow,
-        PlanWorkspace(3, 32, 64, "cpu"),
-        req_to_token=r2t_arg,
-    )
-    guess = torch.full((3, 32), 77, dtype=torch.int32)
-    got = plan_layer(
-        entries,
-        rpi,
-        nr,
-        w.loc_to_host,
-        w.loc_to_tail,
-        w.state.layer(0),
-        PlanWorkspace(3, 32, 64, "cpu"),
-        req_to_token=r2t_arg,
-        guess_out=guess,
-    )
-    names_loc = entries >= 0
-    if positions:
-        names_loc &= r2t[rpi.view(-1, 1), entries.clamp(min=0).long()] >= 0
-    names_loc[2] = False
-    assert torch.equal(guess, torch.where(names_loc, entries, -1))
-    assert bool(names_loc[:2].any()) and not bool(names_loc[:2].all())
-    assert_same(plain, got, True, 2)
-    for name, a, b in zip(LayerState._fields, shadow, w.state.layer(0)):
-        assert torch.equal(a, b), f"state {name} differs with guess_out"
-
-
 # --------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -35,8 +35,6 @@ IDLE = {
     "error_flags": 0,
     "loaded": 1000,
     "loaded_bytes": 1000 * soak.ROW_BYTES,
-    "prefetch_loaded": 10,
-    "prefetch_loaded_bytes": 10 * soak.ROW_BYTES,
     "host_pool": {"tokens": 64, "bytes": 64 * soak.ROW_BYTES * 2},
 }
 LABELS = '{model_name="m",tp_rank="0"}'
@@ -83,7 +81,6 @@ def test_an_idle_server_passes_and_each_leak_fails():
 def test_metrics_that_do_not_add_up_fail():
     assert soak.metrics_problems(IDLE, PROMETHEUS) == []
     assert soak.metrics_problems({**IDLE, "loaded_bytes": 999 * soak.ROW_BYTES}, PROMETHEUS)
-    assert soak.metrics_problems({**IDLE, "prefetch_loaded_bytes": 0}, PROMETHEUS)
     stale = PROMETHEUS.replace(" 1000.0\n", " 990.0\n")
     assert soak.metrics_problems(IDLE, stale) and soak.metrics_problems(IDLE, "")
     host = {**IDLE, "host_pool": {"tokens": 64, "bytes": 64 * soak.ROW_BYTES}}

@@ -12,7 +12,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     default_backup_launch_config,
     default_load_launch_config,
 )
-from transfer_ref import copy_rows_all_layers_ref, copy_rows_grouped_ref, copy_rows_ref
+from transfer_ref import copy_rows_all_layers_ref, copy_rows_ref
 
 ROW_LAYOUTS = [(656, torch.uint8), (1152, torch.bfloat16)]
 
@@ -179,31 +179,3 @@ def test_gpu_pinned_uva_gather_and_scatter(row_bytes, dtype, load_shape):
     copy_rows(dev, back, di[live], si[live], config=cfg)
     torch.cuda.synchronize()
     assert torch.equal(_bytes(back)[si[live].long().cpu()], _bytes(host)[si[live].long().cpu()])
-
-
-@settings(max_examples=15, deadline=None)
-@given(
-    groups=st.integers(1, 4),
-    width=st.integers(1, 40),
-    row_words=st.sampled_from([2, 41, 82]),
-    programs=st.integers(1, 3),
-    rows_per_program=st.sampled_from([1, 2, 8]),
-    data=st.data(),
-)
-def test_grouped_copy_matches_reference(groups, width, row_words, programs, rows_per_program, data):
-    from sglang.srt.mem_cache.sparsity.kv_offload.transfer import copy_rows_grouped
-
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    src = torch.randint(0, 256, (200, row_words * 8), dtype=torch.uint8, generator=gen)
-    dst = torch.zeros((groups * width + 8, row_words * 8), dtype=torch.uint8)
-    dst_ref = dst.clone()
-    src_idx = torch.randint(-1, 200, (groups * width,), generator=gen)
-    dst_idx = torch.randperm(dst.shape[0], generator=gen)[: groups * width].to(torch.int32)
-    # Counts beyond the group width and negative counts are clamped; -1 sources are skipped.
-    counts = torch.tensor(
-        data.draw(st.lists(st.integers(-2, width + 3), min_size=groups, max_size=groups)),
-        dtype=torch.int32,
-    )
-    copy_rows_grouped(src, dst, src_idx, dst_idx, counts, programs, rows_per_program)
-    copy_rows_grouped_ref(src, dst_ref, src_idx, dst_idx, counts)
-    assert torch.equal(dst, dst_ref)

@@ -34,13 +34,3 @@ def copy_rows_ref(
 def copy_rows_all_layers_ref(src_layers, dst_layers, src_idx, dst_idx, num_valid=None) -> None:
     for s, d in zip(src_layers, dst_layers):
         copy_rows_ref(s, d, src_idx, dst_idx, num_valid)
-
-
-def copy_rows_grouped_ref(src, dst, src_idx, dst_idx, counts) -> None:
-    """Reference semantics of :func:`copy_rows_grouped` (syncs; not for the hot path)."""
-    groups = counts.numel()
-    width = src_idx.shape[0] // groups
-    for g, n in enumerate(counts.cpu().tolist()):
-        n = max(0, min(int(n), width))
-        sl = slice(g * width, g * width + n)
-        copy_rows_ref(src, dst, src_idx[sl], dst_idx[sl])

@@ -52,24 +52,11 @@ class KVOffloadConfig:
         host_pool_size_gb: pinned host pool size in GB; 0 means use ``host_pool_ratio``.
         host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
-        h2d_programs_per_req: 0 (default): the per-layer H2D gather is one strided pass over a
-            compact miss list (``transfer.default_load_launch_config``), the faster shape with a
-            real multi-layer host pool; N > 0: a grid of ``(batch, N)`` programs, N per
-            request (faster only while the host pool is small enough for warm address translation).
         pd_direct_to_host: PD decode only: the prefill side writes the prompt KV pages straight
             into the decode host pool (registered with the transfer engine), so no GPU page stages
             the prompt and no backup copies it; the DSA index state still goes to the GPU.
         status_log_interval: log one line of offload state (requests, promised and free rows,
             backups) every this many decode steps; 0 turns it off. Host-side counters only.
-        prefetch_next_layer: while a layer computes, plan and load its top-k for the next
-            layer on a side stream (adjacent layers select mostly the same tokens), so the next
-            layer's own plan loads only what the guess missed.
-        prefetch_max_bs: 0 (default): every decode batch prefetches; N > 0: only batches of at
-            most N requests (as CUDA graphs pad them) do, larger ones load their misses in their
-            own layer only. Where the layer's compute is too short to hide the rows a guess
-            moves (large batches), the prefetch costs more than it saves (measured with
-            ``bench_exposed.py``, in the tree at ea8f521; benchmark/kv_offload/JOURNAL.md).
-            Needs ``prefetch_next_layer``.
         share_host_pool: under tensor parallelism, keep one host pool per node that the node's TP
             ranks share (shared memory in ``/dev/shm``; the first rank writes backups, all read)
             instead of one identical copy per rank. The host pool size is then per node.
@@ -80,11 +67,8 @@ class KVOffloadConfig:
     host_pool_size_gb: float = 0.0
     host_pool_ratio: float = 1.0
     pin_host_memory: bool = True
-    h2d_programs_per_req: int = 0
     pd_direct_to_host: bool = False
     status_log_interval: int = 1000
-    prefetch_next_layer: bool = False
-    prefetch_max_bs: int = 0
     share_host_pool: bool = True
 
     @classmethod
@@ -170,19 +154,6 @@ class KVOffloadConfig:
             math.isfinite(self.host_pool_ratio) and self.host_pool_ratio >= 1.0,
             f"host_pool_ratio={self.host_pool_ratio} must be >= 1: the host pool holds the full KV "
             "of every logical token on the device",
-        )
-        _require(
-            self.h2d_programs_per_req >= 0,
-            f"h2d_programs_per_req={self.h2d_programs_per_req} must be >= 0 (0: one strided pass)",
-        )
-        _require(
-            self.prefetch_max_bs >= 0,
-            f"prefetch_max_bs={self.prefetch_max_bs} must be >= 0 (0: every batch size)",
-        )
-        _require(
-            self.prefetch_max_bs == 0 or self.prefetch_next_layer,
-            f"prefetch_max_bs={self.prefetch_max_bs} limits the cross-layer prefetch, which is "
-            'off; add "prefetch_next_layer": true or drop prefetch_max_bs',
         )
         _require(
             self.status_log_interval >= 0,

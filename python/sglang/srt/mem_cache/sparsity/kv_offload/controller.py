@@ -29,11 +29,8 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import (
     CopyLaunchConfig,
     copy_rows,
     copy_rows_all_layers,
-    copy_rows_grouped,
     default_backup_launch_config,
-    default_group_launch_config,
     default_load_launch_config,
-    default_prefetch_launch_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,7 +78,6 @@ class KVOffloadCacheController:
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         load_config: Optional[CopyLaunchConfig] = None,
         backup_config: Optional[CopyLaunchConfig] = None,
-        group_load_config: Optional[CopyLaunchConfig] = None,
         debug: bool = _DEBUG,
     ):
         pool: KVOffloadDSATokenToKVPool = token_to_kv_pool_allocator.get_kvcache()
@@ -107,9 +103,7 @@ class KVOffloadCacheController:
         self.allocator = token_to_kv_pool_allocator
         dev = torch.device(pool.device)
         self.load_config = load_config or default_load_launch_config(dev)
-        self.prefetch_load_config = default_prefetch_launch_config(dev)
         self.backup_config = backup_config or default_backup_launch_config(dev)
-        self.group_load_config = group_load_config or default_group_launch_config(dev)
         self.debug = debug
         self.tp_world_size = (
             torch.distributed.get_world_size(group=tp_group) if tp_group is not None else 1
@@ -127,40 +121,21 @@ class KVOffloadCacheController:
         host_indices: torch.Tensor,
         device_slots: torch.Tensor,
         num_valid: Optional[torch.Tensor] = None,
-        group_counts: Optional[torch.Tensor] = None,
-        prefetch: bool = False,
     ) -> None:
         """Copy ``host[host_indices[i]] -> kv_buffer[layer][device_slots[i]]`` on the current stream.
 
         ``host_indices`` / ``device_slots`` are device int32/int64 of a fixed length; entries with a
-        -1 host index are skipped, and only the first ``num_valid[0]`` are read when given. With
-        ``group_counts`` (one int32 count per request) the lists are per-request rows of equal width
-        (the plan's row-packed miss list) and each request's rows are copied by its own programs,
-        which keeps their host pages together (faster only while the host rows fit the GPU's
-        translation caches). ``prefetch``: the cross-layer
-        prefetch's load, beside the compute, with a grid that leaves it SMs. Capture-safe.
+        -1 host index are skipped, and only the first ``num_valid[0]`` are read when given.
+        Capture-safe.
         """
         l = layer_id - self._start_layer
-        if group_counts is not None:
-            cfg = self.group_load_config
-            copy_rows_grouped(
-                self._host_views[l],
-                self._device_views[l],
-                host_indices,
-                device_slots,
-                group_counts,
-                programs_per_group=cfg.num_programs,
-                rows_per_program=cfg.rows_per_program,
-                num_warps=cfg.num_warps,
-            )
-            return
         copy_rows(
             self._host_views[l],
             self._device_views[l],
             host_indices,
             device_slots,
             num_valid,
-            self.prefetch_load_config if prefetch else self.load_config,
+            self.load_config,
         )
 
     # ------------------------------------------------------------------ admission from the host

@@ -70,10 +70,6 @@ class KVOffloadCoordinator:
             forward is still in flight; each first makes the current stream wait for this one, so
             their device work (backups of pages that forward writes, LRU and mapping updates it
             reads, slot and row reuse) is ordered after it, as HiSparse's producer-stream waits do.
-        grouped_loads: load each request's misses with its own programs (row-packed miss list and
-            ``copy_rows_grouped``) instead of one strided pass over a compact list (the default).
-            Grouped is faster only while the host pool is small enough for warm address
-            translation; with a real multi-layer pool the strided pass is (JOURNAL.md).
 
     Admission control: every live request (pre-allocated for a PD transfer, or admitted) is promised
     the physical rows it may come to hold, its sparse slots for its final context plus its tail pages
@@ -89,11 +85,9 @@ class KVOffloadCoordinator:
         controller,
         sparse_cache: SparseCacheState,
         max_bs: int,
-        grouped_loads: bool = False,
         pd_direct_to_host: bool = False,
         status_log_interval: int = 0,
         forward_stream: Optional[torch.Stream] = None,
-        prefetch_next_layer: bool = False,
         tail_pages: int = 2,
         verify_tokens: int = 1,
     ) -> None:
@@ -103,7 +97,6 @@ class KVOffloadCoordinator:
         self.sparse_cache = sparse_cache
         self.page_size = allocator.page_size
         self.device = sparse_cache.device
-        self.grouped_loads = grouped_loads
         self.pd_direct_to_host = pd_direct_to_host
         self.forward_stream = forward_stream if self.device.type == "cuda" else None
         self.workspace = PlanWorkspace(
@@ -123,13 +116,6 @@ class KVOffloadCoordinator:
             if verify_tokens > 1
             else None
         )
-        # Cross-layer prefetch plans into its own workspace: it runs beside the next layer's
-        # indexer and this layer's attention, which still read the main one.
-        self.prefetch_workspace = (
-            PlanWorkspace(max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device)
-            if prefetch_next_layer
-            else None
-        )
         self.requests: Dict[int, OffloadedRequest] = {}
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
@@ -137,7 +123,7 @@ class KVOffloadCoordinator:
         # The plan's counters and error flags, copied to the host after each step's forward and
         # read one step later, so reading them never waits for the device.
         self._device_report = torch.zeros(
-            (2 * len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
+            (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
         )
         self._device_report_event: Optional[torch.cuda.Event] = None
         self._error_flags_seen = 0
@@ -380,13 +366,9 @@ class KVOffloadCoordinator:
         if self._serving:
             return
         self._serving = True
-        for ws in self._workspaces():
-            ws.reset_errors()
-            ws.stats.zero_()
+        self.workspace.reset_errors()
+        self.workspace.stats.zero_()
         self._device_report.zero_()
-
-    def _workspaces(self) -> List[PlanWorkspace]:
-        return [ws for ws in (self.workspace, self.prefetch_workspace) if ws is not None]
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
@@ -418,15 +400,11 @@ class KVOffloadCoordinator:
 
     def _launch_device_report(self) -> None:
         """Copy the plan counters and error flags to the host behind the coming forward."""
-        # Layout: main stats, prefetch stats (zero without prefetch), the OR of the error flags.
+        # Layout: the stats, then the error flags.
         n = len(STAT_NAMES)
-        report, prefetch = self._device_report, self.prefetch_workspace
+        report = self._device_report
         report[:n].copy_(self.workspace.stats, non_blocking=True)
-        flags = self.workspace.error_flags
-        if prefetch is not None:
-            report[n : 2 * n].copy_(prefetch.stats, non_blocking=True)
-            flags = flags | prefetch.error_flags
-        report[2 * n :].copy_(flags, non_blocking=True)
+        report[n:].copy_(self.workspace.error_flags, non_blocking=True)
         if self.device.type == "cuda":
             self._device_report_event = torch.cuda.Event()
             self._device_report_event.record()
@@ -446,10 +424,7 @@ class KVOffloadCoordinator:
         values = self._device_report.tolist()
         n = len(STAT_NAMES)
         out = dict(zip(STAT_NAMES, values[:n]))
-        out.update(zip((f"prefetch_{name}" for name in STAT_NAMES), values[n : 2 * n]))
-        row_bytes = self.controller.mem_pool_device.row_bytes
-        out["loaded_bytes"] = out["loaded"] * row_bytes
-        out["prefetch_loaded_bytes"] = out["prefetch_loaded"] * row_bytes
+        out["loaded_bytes"] = out["loaded"] * self.controller.mem_pool_device.row_bytes
         return out
 
     def offload_state(self) -> Dict[str, object]:

@@ -7,8 +7,6 @@ kernel equals it bit for bit.
 
 Program outline (``b`` = row, ``r`` = request, ``n`` = its slots):
 
-0. with ``guess_out``, write the row's entries that name a loc (-1 elsewhere): the cross-layer
-   prefetch's guess for the next layer.
 1. gather ``loc_to_slot[t]`` for the row's top-k -> hits; for non-hits gather ``loc_to_tail[t]``
    -> tail rows; the rest are misses.
 2. clear the row's slot mark scratch; mark hit slots; claim each missing loc in ``loc_to_slot``
@@ -88,14 +86,11 @@ def _plan_layer_kernel(
     stats_ptr,
     r2t_ptr,
     r2t_stride,
-    guess_ptr,
-    guess_stride,
     K,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
     COMPACT: tl.constexpr,
     POSITIONS: tl.constexpr,
-    GUESS: tl.constexpr,
 ):
     b = tl.program_id(0)
     n_real = tl.load(n_real_ptr)
@@ -104,12 +99,9 @@ def _plan_layer_kernel(
     row_out = out_ptr + b.to(tl.int64) * out_stride
     row_miss = b.to(tl.int64) * K
     neg1_k = tl.full([BLOCK_K], -1, tl.int32)
-    row_guess = guess_ptr + b.to(tl.int64) * guess_stride
     r = tl.load(rpi_ptr + b).to(tl.int64)
     if (b >= n_real) | (r == 0):
         tl.store(row_out + offs_k, neg1_k, mask=kmask)
-        if GUESS:
-            tl.store(row_guess + offs_k, neg1_k, mask=kmask)
         if not COMPACT:
             tl.store(miss_host_ptr + row_miss + offs_k, neg1_k.to(tl.int64), mask=kmask)
             tl.store(miss_dst_ptr + row_miss + offs_k, neg1_k, mask=kmask)
@@ -117,16 +109,11 @@ def _plan_layer_kernel(
     else:
         n = tl.load(num_slots_ptr + r)
         t = tl.load(topk_ptr + b.to(tl.int64) * topk_stride + offs_k, mask=kmask, other=-1)
-        entry = t  # as given (positions or locs): the prefetch guess replans these
         if POSITIONS:  # token positions of request r -> its logical locs (req_to_token)
             t = tl.load(r2t_ptr + r * r2t_stride + t.to(tl.int64), mask=t >= 0, other=-1)
             t = t.to(tl.int32)
         valid = t >= 0
         t64 = t.to(tl.int64)
-
-        # 0. the next layer's prefetch guess: this row's entries as given
-        if GUESS:
-            tl.store(row_guess + offs_k, tl.where(valid, entry, -1), mask=kmask)
 
         # 1. classify
         slot = tl.load(loc_to_slot_ptr + t64, mask=valid, other=-1)
@@ -275,7 +262,6 @@ def plan_layer(
     compact: bool = True,
     out_indices: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
-    guess_out: Optional[torch.Tensor] = None,
 ) -> PlanResult:
     """Plan one layer: resolve ``topk`` to physical rows, pick victims, emit the miss list.
 
@@ -299,9 +285,6 @@ def plan_layer(
         out_indices: optional (bs, K) int32 destination instead of ``ws.out_indices[:bs]``.
         req_to_token: ``ReqToTokenPool.req_to_token`` (int32, rows by ``req_pool_indices``); makes
             ``topk`` positions (one launch instead of a translation launch plus the plan).
-        guess_out: optional (bs, K) int32, filled with the row's valid ``topk`` entries as given
-            (-1 elsewhere and in padded rows): the cross-layer prefetch's guess for the next layer,
-            written here so that it needs no copy launch of its own.
 
     Returns:
         Views of the workspace: rewritten indices, per-row packed miss list (host slot, physical
@@ -321,10 +304,6 @@ def plan_layer(
     if positions:
         assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
     r2t = req_to_token if positions else topk  # unused without positions
-    if guess_out is not None:
-        assert guess_out.dtype == torch.int32 and guess_out.stride(1) == 1
-        assert tuple(guess_out.shape) == (bs, K), (tuple(guess_out.shape), bs, K)
-    guess = out if guess_out is None else guess_out  # unused without guess_out
     _plan_layer_kernel[(bs,)](
         topk,
         topk.stride(0),
@@ -351,14 +330,11 @@ def plan_layer(
         ws.stats,
         r2t,
         r2t.stride(0),
-        guess,
-        guess.stride(0),
         K,
         BLOCK_K=ws.block_k,
         BLOCK_S=ws.block_s,
         COMPACT=compact,
         POSITIONS=positions,
-        GUESS=guess_out is not None,
         num_warps=num_warps,
     )
     return PlanResult(

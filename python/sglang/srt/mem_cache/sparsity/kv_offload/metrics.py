@@ -35,11 +35,6 @@ COUNTERS = {
     "topk_rows_tail": ("Top-k rows read from the GPU decode tail (not yet backed up).", "tail"),
     "rows_loaded": ("Rows loaded host -> device (top-k misses).", "loaded"),
     "bytes_loaded": ("Bytes loaded host -> device.", "loaded_bytes"),
-    "prefetch_rows_loaded": (
-        "Rows loaded host -> device ahead of time for the next layer (prefetch_next_layer).",
-        "prefetch_loaded",
-    ),
-    "prefetch_bytes_loaded": ("Bytes prefetched host -> device.", "prefetch_loaded_bytes"),
     "backup_tokens": ("Tokens backed up device -> host.", "backup_tokens"),
     "deferred_backups": ("Backups deferred because the host pool was full.", "deferred_backups"),
     "prefill_waits": (

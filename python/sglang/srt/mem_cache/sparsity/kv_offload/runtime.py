@@ -13,7 +13,6 @@ requests, so its host pool and its backup agreement span its attention-TP group 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from http import HTTPStatus
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -41,7 +40,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.metrics import KVOffloadMetrics
 from sglang.srt.mem_cache.sparsity.kv_offload.shared_host import NodeSharedHostAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
-from sglang.srt.mem_cache.sparsity.kv_offload.transfer import default_group_launch_config
 from sglang.srt.runtime_context import (
     get_exec,
     get_memory,
@@ -218,16 +216,11 @@ def init_offload(runner) -> None:
         tensor_allocator=tensor_allocator,
         pools_on_node=_ranks_on_node(parallel) // ranks_per_pool,
     )
-    group_load_config = None
-    if config.h2d_programs_per_req:
-        base = default_group_launch_config(torch.device(runner.device))
-        group_load_config = dataclasses.replace(base, num_programs=config.h2d_programs_per_req)
     controller = KVOffloadCacheController(
         allocator,
         host,
         # Backup completion counts are agreed over the CPU (gloo) group, as upstream HiCache does.
         tp_group=tp_group.cpu_group if tp_group is not None else None,
-        group_load_config=group_load_config,
     )
     # A PD decode server's request pool has pre-allocation rows beyond ``size``; every row that can
     # reach a decode step needs LRU state.
@@ -250,11 +243,9 @@ def init_offload(runner) -> None:
         controller,
         sparse,
         max_bs=max_bs,
-        grouped_loads=config.h2d_programs_per_req > 0,
         pd_direct_to_host=config.pd_direct_to_host,
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
-        prefetch_next_layer=config.prefetch_next_layer,
         tail_pages=tail_pages,
         verify_tokens=verify_tokens,
     )
@@ -268,9 +259,7 @@ def init_offload(runner) -> None:
             labels["dp_rank"] = str(parallel.dp_rank)
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
-    runner.hisparse_coordinator = DSAOffloadAdapter(
-        coordinator, prefetch_max_bs=config.prefetch_max_bs
-    )
+    runner.hisparse_coordinator = DSAOffloadAdapter(coordinator)
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
     # must agree when nothing is allocated.

@@ -28,9 +28,7 @@ __all__ = [
     "RowView",
     "copy_rows",
     "copy_rows_all_layers",
-    "copy_rows_grouped",
     "default_backup_launch_config",
-    "default_group_launch_config",
     "default_launch_config",
     "default_load_launch_config",
 ]
@@ -133,10 +131,6 @@ class CopyLaunchConfig:
 
 BACKUP_PROGRAMS = 16
 """Programs of a device -> host page backup (``default_backup_launch_config``), whatever the SMs."""
-PREFETCH_SMS_PER_PROGRAM = 2
-"""One cross-layer prefetch program per this many SMs (``default_prefetch_launch_config``)."""
-PREFETCH_ROWS_PER_PROGRAM = 16
-"""Rows per tile of the cross-layer prefetch load (``default_prefetch_launch_config``)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,37 +171,6 @@ def default_load_launch_config(device: Optional[torch.device] = None) -> CopyLau
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return CopyLaunchConfig(num_programs=128 * _sm_count(idx), rows_per_program=1, num_warps=4)
     return default_launch_config(device)
-
-
-def default_prefetch_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
-    """Launch shape of the cross-layer prefetch load, which is meant to run beside the compute.
-
-    Half as many programs as SMs, each keeping a 16-row tile in flight, instead of the miss load's
-    grid (:func:`default_load_launch_config`), which fills every SM until it is done: the host
-    gather is latency-bound, so its bandwidth follows the rows in flight, while every resident
-    program takes room from the layer's GEMMs (measured with ``bench_exposed.py``, in the tree at
-    ea8f521; JOURNAL.md).
-    """
-    if device is not None and device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return CopyLaunchConfig(
-            num_programs=max(1, _sm_count(idx) // PREFETCH_SMS_PER_PROGRAM),
-            rows_per_program=PREFETCH_ROWS_PER_PROGRAM,
-            num_warps=4,
-        )
-    return default_launch_config(device)
-
-
-def default_group_launch_config(device: Optional[torch.device] = None) -> CopyLaunchConfig:
-    """Launch shape of :func:`copy_rows_grouped`; ``num_programs`` is programs *per group*.
-
-    2 programs per request with 32-row tiles and 16 warps: the fastest grouped shape while the
-    host rows fit the GPU's translation caches; with a multi-layer footprint the strided load
-    (:func:`default_load_launch_config`) is faster (JOURNAL.md, ``bench_lru.py``).
-    """
-    if device is not None and device.type == "cuda":
-        return CopyLaunchConfig(num_programs=2, rows_per_program=32, num_warps=16)
-    return CopyLaunchConfig(num_programs=2, rows_per_program=8, num_warps=4)
 
 
 @triton.jit
@@ -330,79 +293,6 @@ def copy_rows(
         BLOCK_W=block_w,
         ROWS=rows,
         num_warps=cfg.num_warps,
-    )
-
-
-@triton.jit
-def _copy_rows_grouped_kernel(
-    src_ptr,
-    dst_ptr,
-    src_idx_ptr,
-    dst_idx_ptr,
-    counts_ptr,
-    group_stride,
-    ROW_WORDS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    # Program (g, c) copies rows c, c + C, ... of group g (one request's misses): all of a
-    # program's loads stay inside one request's host pages, which keeps the SM's TLB warm.
-    g = tl.program_id(0)
-    c = tl.program_id(1)
-    n = tl.load(counts_ptr + g).to(tl.int32)
-    n = tl.minimum(tl.maximum(n, 0), group_stride)
-    base = g.to(tl.int64) * group_stride
-    rows_in_tile = tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_W)
-    col_ok = cols < ROW_WORDS
-    for tile in range(c, tl.cdiv(n, ROWS), tl.num_programs(1)):
-        e = tile * ROWS + rows_in_tile
-        e_ok = e < n
-        s = tl.load(src_idx_ptr + base + e, mask=e_ok, other=-1).to(tl.int64)
-        d = tl.load(dst_idx_ptr + base + e, mask=e_ok, other=-1).to(tl.int64)
-        m = ((s >= 0) & (d >= 0))[:, None] & col_ok[None, :]
-        v = tl.load(src_ptr + s[:, None] * ROW_WORDS + cols[None, :], mask=m)
-        tl.store(dst_ptr + d[:, None] * ROW_WORDS + cols[None, :], v, mask=m)
-
-
-def copy_rows_grouped(
-    src: Union[RowView, torch.Tensor],
-    dst: Union[RowView, torch.Tensor],
-    src_idx: torch.Tensor,
-    dst_idx: torch.Tensor,
-    counts: torch.Tensor,
-    programs_per_group: int = 8,
-    rows_per_program: int = 4,
-    num_warps: int = 4,
-) -> None:
-    """Grouped form of :func:`copy_rows`: group ``g`` owns entries ``[g*W, g*W + counts[g])``.
-
-    ``src_idx``/``dst_idx`` hold ``G*W`` entries (``W`` = group width, e.g. the top-k), ``counts``
-    is a ``(G,)`` int32 device tensor (the plan kernel's per-request miss counts). The grid is
-    ``(G, programs_per_group)``: fixed for a given batch shape, capture-safe.
-    """
-    src_v, dst_v = _matched_views(src, dst, src_idx, dst_idx, None)
-    groups = counts.numel()
-    if counts.dtype != torch.int32 or groups == 0:
-        raise ValueError("counts must be a non-empty int32 tensor, one count per group")
-    if src_idx.shape[0] != dst_idx.shape[0] or src_idx.shape[0] % groups != 0:
-        raise ValueError(
-            f"src_idx ({src_idx.shape[0]}) and dst_idx ({dst_idx.shape[0]}) must both hold "
-            f"{groups} groups of equal width"
-        )
-    on_cuda = src_idx.device.type == "cuda"
-    rows = triton.next_power_of_2(max(1, rows_per_program))
-    _copy_rows_grouped_kernel[(groups, max(1, programs_per_group))](
-        src_v.kernel_arg(on_cuda),
-        dst_v.kernel_arg(on_cuda),
-        src_idx,
-        dst_idx,
-        counts,
-        src_idx.shape[0] // groups,
-        ROW_WORDS=src_v.row_words,
-        BLOCK_W=triton.next_power_of_2(src_v.row_words),
-        ROWS=rows,
-        num_warps=num_warps,
     )
 
 
