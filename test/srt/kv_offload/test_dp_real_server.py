@@ -129,3 +129,33 @@ class TestAttentionDPDecode:
         assert [len(o["output_ids"]) for o in outs] == [24] * len(prompts), outs
         assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
         on.decode.wait_no_leak()
+
+
+class TestAttentionDPDecodeRetraction:
+    """The DP 2 decode server of :class:`TestAttentionDPDecode` (flag on, prompts staged in GPU
+    pages) retracting on upstream's test schedule: each rank saves a retracted request's KV
+    (``Req.offload_kv_cache``) and resumes it from its own rank (0.5.23 routes the re-bootstrap by
+    the request's DP rank, sglang #40730). Checked for completion, retractions on both ranks and
+    free counts; not tokens (see :class:`TestAttentionDP`)."""
+
+    @pytest.fixture(scope="class")
+    def pair(self, tmp_path_factory):
+        logs = tmp_path_factory.mktemp("pd_dp_retract")
+        env = {**DP_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"}
+        pair = pd.PDPair(pd.COMMON, pd.offload() + DP_DECODE, logs / "on", env)
+        with started(pair):
+            yield pair
+
+    def test_retraction_on_both_ranks_completes_and_leaks_nothing(self, pair):
+        prompts = [pd.prompt(n, 90 + n) for n in (120, 300, 500, 700, 260, 410)]
+        outs = pd.generate(pair.url, prompts, 40)
+        assert [len(o["output_ids"]) for o in outs] == [40] * len(prompts), outs
+        assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
+        retracted = {
+            o["meta_info"]["dp_rank"] for o in outs if o["meta_info"]["num_retractions"] > 0
+        }
+        assert retracted == {0, 1}, [o["meta_info"] for o in outs]
+        pair.decode.wait_no_leak()
+        states = pair.decode.offload_states()
+        assert len(states) == 2 and all(s["error_flags"] == 0 for s in states), states
+        assert sum(s["backup_tokens"] for s in states) > 0
