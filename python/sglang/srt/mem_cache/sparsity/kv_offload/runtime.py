@@ -326,10 +326,16 @@ class KVOffloadRuntime(KVOffloadHooks):
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
         # when their transfer succeeds (admit_transferred), never at a decode step.
         self._host_prealloc: Set[int] = set()
+        self._tree_checked = False
 
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
         coordinator = self.coordinator
+        if self._tree_checked is False:
+            # The radix cache (on unless --disable-radix-cache) shares prefix pages between rows.
+            tree = getattr(batch, "tree_cache", None)
+            coordinator.share_prefixes = bool(tree is not None and tree.supports_prefix_sharing())
+            self._tree_checked = True
         req_pool_indices = [req.kv.req_pool_idx for req in batch.reqs]
         if batch.spec_algorithm.is_none():
             seq_lens = batch.seq_lens_cpu.tolist()
