@@ -146,6 +146,9 @@ class KVOffloadCoordinator:
             else None
         )
         self.requests: Dict[int, OffloadedRequest] = {}
+        # Radix cache: (logical locs, physical rows) of host-only prefix pages read back into GPU
+        # rows for an extend (restore_for_extend), released at the next scheduler iteration.
+        self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
@@ -168,6 +171,7 @@ class KVOffloadCoordinator:
             "prefill_waits": 0,
             "shared_prefix_tokens": 0,
             "release_drains": 0,
+            "restored_prefix_tokens": 0,
         }
 
     # ------------------------------------------------------------------ admission control
@@ -379,6 +383,57 @@ class KVOffloadCoordinator:
             f"({st['deferred_backups']} deferred, {st['forced_backups']} forced), admitted "
             f"{st['admitted']} ({st['admitted_from_host']} from host), released {st['released']}"
         )
+
+    def restore_for_extend(self, prefixes: Sequence[torch.Tensor]) -> None:
+        """Before an extend (prefill chunk) whose requests start with a cached prefix: read every
+        prefix page that has no GPU row (backed up, physical rows freed) back from the host into
+        fresh physical pages, mapped as tail rows, on the current stream (the forward follows).
+
+        The prefill reads the whole prefix through the logical->physical mapping; decode steps
+        of other requests read a mapped page as tail rows too (same content). The pages are
+        released by :meth:`release_restored` at the next scheduler iteration, after that extend
+        (the prefix's tree nodes are locked by the requests until then). One device read.
+        Raises RuntimeError when the physical pool cannot hold them (``can_stage_prefill`` counts
+        the whole prompt, prefix included, as staging, so it can).
+        """
+        page = self.page_size
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        locs = torch.cat([p.to(mapping.device, torch.int64) for p in prefixes])
+        first = torch.unique(locs // page) * page
+        first = first[mapping[first] <= 0].cpu()  # the one sync
+        if first.numel() == 0:
+            return
+        self._after_inflight_forward()
+        n = first.numel() * page
+        physical = self.allocator.hisparse_attn_allocator.alloc(n)
+        if physical is None:
+            raise RuntimeError(
+                f"kv_offload: no GPU rows to read {n} cached prefix tokens back for a prefill "
+                f"({self.allocator.physical_available_size()} free)"
+            )
+        logical = (first[:, None] + torch.arange(page)).reshape(-1).to(mapping.device)
+        host = self.allocator.loc_to_host[logical]
+        self.controller.load_rows(host, physical)
+        mapping[logical] = physical.to(mapping.dtype)
+        self._restored.append((logical, physical))
+        self.stats["restored_prefix_tokens"] += n
+
+    def release_restored(self) -> None:
+        """Give back the pages :meth:`restore_for_extend` mapped, after the extends that read
+        them (ordered after the forward in flight)."""
+        if not self._restored:
+            return
+        self._after_inflight_forward()
+        logical = torch.cat([lg for lg, _ in self._restored])
+        physical = torch.cat([ph for _, ph in self._restored])
+        self._restored = []
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        # A page the tree evicted meanwhile was freed with its rows: not ours to free any more.
+        ours = (mapping[logical] == physical.to(mapping.dtype)).view(-1, self.page_size).all(1)
+        ours = ours.cpu()
+        if bool(ours.any()):
+            keep = ours.repeat_interleave(self.page_size).to(logical.device)
+            self.allocator.release_physical(logical[keep])
 
     def poll(self) -> int:
         """Complete finished backups without blocking (every scheduler iteration, and before

@@ -365,6 +365,13 @@ class KVOffloadRuntime(KVOffloadHooks):
                 # This step's output of the request is discarded and it ends with the error.
                 req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
 
+    def prepare_extend(self, batch) -> None:
+        # After alloc_for_extend: each row's [0, prefix_len) holds its prefix's logical locs.
+        rows = self.req_to_token_pool.req_to_token
+        prefixes = [rows[r.kv.req_pool_idx, : r.prefix_len] for r in batch.reqs if r.prefix_len]
+        if prefixes:
+            self.coordinator.restore_for_extend(prefixes)
+
     def can_stage_prefill(self, req, scheduled: Sequence) -> bool:
         # The token budget (available_size) counts logical tokens and host slots; this gate checks
         # the GPU KV rows: the whole rest of each prompt stages in GPU rows (chunks included) until
@@ -373,9 +380,9 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator = self.coordinator
         page = coordinator.page_size
         reqs = [req, *scheduled]
-        staging = sum(
-            ceil_align(len(r.full_untruncated_fill_ids) - r.prefix_len, page) for r in reqs
-        )
+        # A cached prefix (radix cache) on the host is read back into GPU rows for the prefill
+        # (prepare_extend): counted whole, as staging.
+        staging = sum(ceil_align(len(r.full_untruncated_fill_ids), page) for r in reqs)
         promised = coordinator.reservations
         unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
         # Requests holding a request row whose prompt is staged (prefilled, or a chunked prompt
@@ -398,6 +405,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         self.coordinator.release(req_pool_idx)
 
     def on_scheduler_iteration(self) -> None:
+        self.coordinator.release_restored()
         if self.metrics is not None and self.metrics.due():
             self.metrics.update(self.coordinator.offload_state())  # polls too
         else:
