@@ -8,7 +8,8 @@ to both:
 
 * multi-turn: each turn's prompt is the previous turn's prompt, its output and new text;
 * a shared document: one request caches it, then three questions about it run as one batch (their
-  rows name the same prefix locs in the same decode steps).
+  rows name the same prefix locs in the same decode steps), then a question answered by its prefill
+  alone (one token: it never decodes) and one aborted while decoding.
 
 Prompts are prefilled in chunks of 128 (so the tree also takes chunk pages before the first decode
 step), the index top-k is 64 and each request gets 128 sparse slots: prefix rows are loaded from the
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from typing import Dict, List, Set, Tuple
 
 import pytest
@@ -100,6 +103,33 @@ def workload(server: TinyServer, on: bool) -> Dict:
         assert "output_ids" in o, o
         outs.append((p, o))
     settle("questions")
+    # a request that ends at its prefill (one token): the tree keeps its prompt pages, which no
+    # decode step ever backed up
+    run(DOC + text(90, 20))
+    out = server.generate(DOC + text(90, 21), 1)
+    assert "output_ids" in out, out
+    outs.append((DOC + text(90, 21), out))
+    settle("one token")
+    # an abort in the middle of decoding a request on the document (its tokens are not compared)
+    if on:
+        state = server.offload_state()
+        steps = state["decode_steps"]
+    box: Dict = {}
+    call = threading.Thread(
+        target=lambda: box.update(out=server.generate(DOC + text(70, 30), 1500, rid="abort-me"))
+    )
+    call.start()
+    if on:
+        wait_until(lambda: server.offload_state()["decode_steps"] > steps + 3, "decoding", 120)
+    else:
+        time.sleep(2)
+    server.abort("abort-me")
+    call.join(timeout=120)
+    assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort", box["out"]["meta_info"]
+    if on:
+        wait_until(lambda: server.offload_state()["requests"] == 0, "requests released", 60)
+        host, logical, physical = used(server.offload_state())
+        checks.append(("abort", host, logical, physical, None))
     result = {"outs": outs, "checks": checks}
     if on:
         result["before_flush"] = server.offload_state()
@@ -150,8 +180,10 @@ def test_greedy_tokens_and_cached_tokens_equal_flag_off(off, on):
 def test_prefix_pages_live_once_on_the_host_and_never_in_gpu_rows(on):
     state = on["before_flush"]
     assert state["shared_prefix_tokens"] > 0 and state["loaded"] > 0, state
+    assert state["release_drains"] > 0 and state["restored_prefix_tokens"] > 0, state
     for what, host, logical, physical, tree in on["checks"]:
         # the tree's tokens hold one logical loc and one host slot each, and no GPU KV row
+        tree = host if tree is None else tree  # after the abort: what the tree kept of it
         assert (host, logical, physical) == (tree, tree, 0), (what, host, logical, physical, tree)
     grown = [b[1] - a[1] for a, b in zip(on["checks"], on["checks"][1:])]
     assert all(g >= 0 for g in grown) and on["checks"][-1][1] < sum(

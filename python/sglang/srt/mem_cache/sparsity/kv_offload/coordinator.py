@@ -443,7 +443,7 @@ class KVOffloadCoordinator:
         (under the overlap scheduler that stream prepares the next batch beside the forward)."""
         return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
-    def release(self, req_pool_idx: int, free_kv: bool = False) -> bool:
+    def release(self, req_pool_idx: int, free_kv: bool = False, kv_len: int = 0) -> bool:
         """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
 
         Frees the sparse slots and LRU entries, cancels in-flight backups (their host slots are
@@ -459,6 +459,8 @@ class KVOffloadCoordinator:
         self.reservations.discard(int(req_pool_idx))
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
+            if self.share_prefixes and not free_kv and kv_len >= self.page_size:
+                self._flush_unadmitted(int(req_pool_idx), int(kv_len))
             return False
         self._after_inflight_forward()
         self.sparse_cache.release(req.req_pool_idx)
@@ -473,6 +475,30 @@ class KVOffloadCoordinator:
 
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
+        self.controller.drain()
+
+    def _flush_unadmitted(self, r: int, kv_len: int) -> None:
+        """Radix cache: a request released before any decode step (finished by its prefill,
+        aborted or retracted while prefilling) leaves prompt pages the tree may keep in GPU rows
+        that nobody has claimed: back them up now and wait (as :meth:`_flush_for_tree`)."""
+        page = self.page_size
+        full = kv_len // page * page
+        locs = self.req_to_token[r, :full].to(torch.int64)
+        host = self.allocator.loc_to_host[locs[::page]].cpu()
+        mine = host == -1
+        if not bool(mine.any()):
+            return
+        self._after_inflight_forward()
+        own = locs.view(-1, page)[mine.to(locs.device)].reshape(-1)
+        if self.controller.backup_batch([(r, own, 0, full)]) is None:
+            logger.warning(
+                "kv_offload: host pool full when req %d ended before decoding; its prompt pages "
+                "stay in GPU rows until the radix cache evicts them or a request claims them",
+                r,
+            )
+            return
+        self.stats["backup_tokens"] += own.numel()
+        self.stats["release_drains"] += 1
         self.controller.drain()
 
     def _flush_for_tree(self, req: OffloadedRequest) -> None:
@@ -492,6 +518,9 @@ class KVOffloadCoordinator:
             req.has_slots = True
             self._start_backups([req])
             req.has_slots = False
+        if req.own_pages is not None:
+            # Unclaimed again, so that a later request with this prefix backs them up.
+            self.allocator.loc_to_host.index_fill_(0, req.own_pages, -1)
         if req.own_pages is not None or req.backed_up_end < req.written_len // self.page_size * (
             self.page_size
         ):

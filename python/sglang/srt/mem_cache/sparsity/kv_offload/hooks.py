@@ -85,9 +85,9 @@ class KVOffloadHooks(abc.ABC):
         slots fit in GPU KV rows beside ``scheduled`` and the running requests."""
 
     @abc.abstractmethod
-    def release_request(self, req_pool_idx: Optional[int]) -> None:
+    def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         """``release_kv_cache``, before the request's KV is freed (finish, abort, retract,
-        failed transfer)."""
+        failed transfer); ``kv_len``: positions of its row whose KV is written (committed)."""
 
     @abc.abstractmethod
     def on_scheduler_iteration(self) -> None:

@@ -257,6 +257,8 @@ def init_offload(runner) -> None:
         prefetch_next_layer=config.prefetch_next_layer,
         tail_pages=tail_pages,
         verify_tokens=verify_tokens,
+        # The radix cache (upstream's default) shares prefix pages between requests' rows.
+        share_prefixes=not runner.server_args.disable_radix_cache,
     )
     metrics = None
     if get_observability().enable_metrics:
@@ -326,16 +328,10 @@ class KVOffloadRuntime(KVOffloadHooks):
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
         # when their transfer succeeds (admit_transferred), never at a decode step.
         self._host_prealloc: Set[int] = set()
-        self._tree_checked = False
 
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
         coordinator = self.coordinator
-        if self._tree_checked is False:
-            # The radix cache (on unless --disable-radix-cache) shares prefix pages between rows.
-            tree = getattr(batch, "tree_cache", None)
-            coordinator.share_prefixes = bool(tree is not None and tree.supports_prefix_sharing())
-            self._tree_checked = True
         req_pool_indices = [req.kv.req_pool_idx for req in batch.reqs]
         if batch.spec_algorithm.is_none():
             seq_lens = batch.seq_lens_cpu.tolist()
@@ -396,13 +392,13 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator.stats["prefill_waits"] += 1
         return False
 
-    def release_request(self, req_pool_idx: Optional[int]) -> None:
+    def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         # The logical locs are freed next by upstream's path through the kv offload allocator,
         # which also returns their physical rows and host slots.
         if req_pool_idx is None:
             return
         self._host_prealloc.discard(req_pool_idx)
-        self.coordinator.release(req_pool_idx)
+        self.coordinator.release(req_pool_idx, kv_len=kv_len)
 
     def on_scheduler_iteration(self) -> None:
         self.coordinator.release_restored()
