@@ -11,6 +11,8 @@ to both:
   rows name the same prefix locs in the same decode steps), then a question answered by its prefill
   alone (one token: it never decodes) and one aborted while decoding.
 
+Both servers also retract on upstream's test schedule (``SGLANG_TEST_RETRACT``), at the same steps.
+
 Prompts are prefilled in chunks of 128 (so the tree also takes chunk pages before the first decode
 step), the index top-k is 64 and each request gets 128 sparse slots: prefix rows are loaded from the
 host at most steps. What it shows: the greedy tokens and ``cached_tokens`` of every request equal the
@@ -150,8 +152,15 @@ def tree_tokens(outs) -> int:
     return len(pages) * PAGE
 
 
+# Both servers retract on upstream's test schedule (every RETRACT_INTERVAL decode steps of a batch of
+# several requests), the same steps in both: a retracted request's pages go to the tree, and it
+# resumes from its cached prefix.
+RETRACT_INTERVAL = 10
+RETRACT = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(RETRACT_INTERVAL)}
+
+
 def serve(args: List[str], log_path, on: bool) -> Dict:
-    server = TinyServer(COMMON + args, log_path)
+    server = TinyServer(COMMON + args, log_path, RETRACT)
     with started(server):
         return workload(server, on)
 
@@ -171,6 +180,8 @@ def test_greedy_tokens_and_cached_tokens_equal_flag_off(off, on):
     for i, ((p, a), (_, b)) in enumerate(zip(off["outs"], on["outs"])):
         assert a["output_ids"] == b["output_ids"], f"request {i} ({len(p)} tokens) differs"
         assert a["meta_info"]["cached_tokens"] == b["meta_info"]["cached_tokens"], i
+    retractions = [sum(o["meta_info"]["num_retractions"] for _, o in r["outs"]) for r in (off, on)]
+    assert retractions[0] == retractions[1] > 0, retractions
     cached = [o["meta_info"]["cached_tokens"] for _, o in on["outs"]]
     # turns 2 and 3 reuse the previous turn, every question reuses the document
     assert cached[0] == 0 and all(c > 0 for c in cached[1:3]), cached

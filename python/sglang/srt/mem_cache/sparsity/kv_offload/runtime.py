@@ -376,9 +376,14 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator = self.coordinator
         page = coordinator.page_size
         reqs = [req, *scheduled]
-        # A cached prefix (radix cache) on the host is read back into GPU rows for the prefill
-        # (prepare_extend): counted whole, as staging.
-        staging = sum(ceil_align(len(r.full_untruncated_fill_ids), page) for r in reqs)
+        # With the radix cache a prefix may be cached pages on the host, read back into GPU rows
+        # for the prefill (prepare_extend): counted as staging (a chunked prompt's own earlier
+        # chunks, already in GPU rows, then count twice: conservative).
+        shared = coordinator.share_prefixes
+        staging = sum(
+            ceil_align(len(r.full_untruncated_fill_ids) - (0 if shared else r.prefix_len), page)
+            for r in reqs
+        )
         promised = coordinator.reservations
         unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
         # Requests holding a request row whose prompt is staged (prefilled, or a chunked prompt
