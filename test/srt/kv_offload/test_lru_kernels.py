@@ -482,14 +482,15 @@ def test_gpu_rows_sharing_a_prefix_resolve_right_rows_under_races():
     for step in range(20):
         gg = torch.Generator(device="cpu").manual_seed(step)
         rows = []
-        for r in range(R):
+        rpi_cpu = torch.randperm(R, generator=gg) + 1
+        for r in (rpi_cpu - 1).tolist():
             hot = torch.randperm(prefix // 4, generator=gg)[: K // 2]  # hot prefix, all rows
             mine = prefix + r * own + torch.randperm(own, generator=gg)[: K // 2]
             row = torch.cat([hot, mine])[torch.randperm(K, generator=gg)]
             row[torch.randperm(K, generator=gg)[:32]] = row[0].clone()
             rows.append(row)
         topk = torch.stack(rows).to(torch.int32).to(dev)
-        rpi = (torch.randperm(R, generator=gg) + 1).to(dev)
+        rpi = rpi_cpu.to(dev)
         nr = torch.tensor([R], dtype=torch.int32, device=dev)
         for layer in range(L):
             res = plan_layer(topk, rpi, nr, l2h, l2t, st.layer(layer), ws, compact=True)

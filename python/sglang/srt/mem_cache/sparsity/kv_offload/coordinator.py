@@ -509,7 +509,8 @@ class KVOffloadCoordinator:
         Its KV is written up to ``seq_len`` (the last decode step's forward writes the last
         position; a later one of the overlap scheduler, if any, is ordered before the copy). Pages
         past what the tree keeps are backed up for nothing and freed with the request. Blocking:
-        one wait for the write stream, which runs after the forward in flight (JOURNAL.md).
+        one wait for the write stream, which runs after the forward in flight
+        (docs/kv_offload_design.md, "Radix cache").
         """
         req.written_len = max(req.written_len, req.seq_len)
         if req.has_slots:
