@@ -31,7 +31,8 @@ TOKENIZER_VOCAB = 512
 TOKENIZER_CORPUS_SEED = 0
 
 # What an NSA model needs on this stack: the NSA backend with its sparse prefill/decode kernel, bf16
-# KV, no radix cache (kv offload owns each request's KV), no grammar backend (no xgrammar wheel).
+# KV, no grammar backend (no xgrammar wheel). The radix cache is off by default (tests compare
+# greedy tokens request by request); ``--tiny-radix-cache`` (ours, not upstream's) leaves it on.
 TINY_DEFAULTS = [
     "--attention-backend", "dsa",  # 0.5.23: NSA renamed DSA ("nsa" is a deprecated alias)
     "--dsa-prefill-backend", "flashmla_sparse",  # 0.5.23: --nsa-*-backend flags are gone
@@ -44,6 +45,7 @@ TINY_DEFAULTS = [
     "--skip-server-warmup",
     "--mem-fraction-static", "0.5",
 ]  # fmt: skip
+RADIX_FLAG = "--tiny-radix-cache"  # keep upstream's default radix cache on
 CPU_DEFAULTS = [
     "--device", "cpu",
     "--max-total-tokens", "16384",
@@ -177,7 +179,11 @@ def build_command(
         cpu = not _has_cuda()
     model = write_tiny_model(model_dir or DEFAULT_MODEL_DIR / "tiny-deepseek-v32")
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model)]
-    cmd += TINY_DEFAULTS + (CPU_DEFAULTS if cpu else []) + list(args)
+    defaults = TINY_DEFAULTS
+    if RADIX_FLAG in args:
+        args = [a for a in args if a != RADIX_FLAG]
+        defaults = [a for a in TINY_DEFAULTS if a != "--disable-radix-cache"]
+    cmd += defaults + (CPU_DEFAULTS if cpu else []) + list(args)
     return cmd, server_env(cpu=cpu)
 
 

@@ -64,6 +64,10 @@ class World:
         rng.shuffle(self.free_host)
         self.free_tail: List[int] = list(range(tail_base, self.num_phys))
         self.reqs: Dict[int, List[int]] = {}
+        # Shared prefixes (the radix cache): a loc lives while any request's row names it.
+        self.loc_refs: Counter = Counter()
+        self.shared_ever = False  # hints are then no longer exact (check_invariants)
+        self.tainted: set = set()  # requests that held a shared loc: LRU checks are relaxed
         self.prev_topk: Dict[int, torch.Tensor] = {}
         self.next_uid = 1
         # shadow LRU clock per (layer, loc), for the independent victim-order check
@@ -103,16 +107,33 @@ class World:
     def can_add(self, ctx: int) -> bool:
         return len(self.free_locs) >= ctx + 64 and len(self.free_tail) >= 128
 
-    def add_request(self, r: int, ctx: int) -> bool:
+    def add_request(
+        self, r: int, ctx: int, prefix_of: Optional[int] = None, prefix_len: int = 0
+    ) -> bool:
+        """Admit request ``r`` with ``ctx`` tokens; with ``prefix_of``, its first ``prefix_len``
+        (whole pages, as the radix cache matches) are request ``prefix_of``'s locs: same index
+        keys, same host rows (or still its tail rows), no second copy."""
+        prefix: List[int] = []
+        if prefix_of is not None:
+            assert prefix_len % PAGE_SIZE == 0 and prefix_len <= ctx
+            prefix = self.reqs[prefix_of][:prefix_len]
+            assert len(prefix) == prefix_len
         if not self.state.admit(r, ctx):
             return False
-        locs = [self._new_token() for _ in range(ctx)]
+        locs = prefix + [self._new_token() for _ in range(ctx - len(prefix))]
         n_tail = ctx % PAGE_SIZE
         for i, loc in enumerate(locs):
+            if i < len(prefix):
+                continue
             if i < ctx - n_tail:
                 self._back_up(loc, keep_tail=False)
             else:
                 self._make_tail(loc)
+        if prefix:
+            self.shared_ever = True
+            self.tainted.update((r, prefix_of))
+            self.stats.update(shared_prefix_tokens=len(prefix))
+        self.loc_refs.update(locs)
         self.reqs[r] = locs
         return True
 
@@ -122,6 +143,7 @@ class World:
         loc = self._new_token()
         self._make_tail(loc)
         locs.append(loc)
+        self.loc_refs[loc] += 1
         if len(locs) % PAGE_SIZE == 0:
             keep = self.rng.random() < 0.3  # backed up but tail not yet freed: both tables set
             for x in locs[-PAGE_SIZE:]:
@@ -136,6 +158,10 @@ class World:
     def release(self, r: int) -> None:
         self.state.release(r)
         for loc in self.reqs.pop(r):
+            self.loc_refs[loc] -= 1
+            if self.loc_refs[loc] > 0:  # a shared prefix another request still uses
+                continue
+            del self.loc_refs[loc]
             if self.loc_to_host[loc] >= 0:
                 self.free_host.append(int(self.loc_to_host[loc]))
             if self.loc_to_tail[loc] >= 0:
@@ -146,6 +172,7 @@ class World:
             self.last_used[:, loc] = -1
             self.free_locs.append(loc)
         self.prev_topk.pop(r, None)
+        self.tainted.discard(r)
 
     # ------------------------------------------------------------------- top-k
     def topk_row(
@@ -285,6 +312,7 @@ def run_trace(
     graph_bs: Optional[int] = None,
     check: bool = True,
     on_step: Optional[Callable[[World, int, Dict], None]] = None,
+    share: bool = False,
 ) -> World:
     """Drive a random multi-request, multi-layer decode trace through ``plan``."""
     rng = random.Random(seed)
@@ -301,7 +329,14 @@ def run_trace(
                 ctx = rng.choice(
                     [1, rng.randint(2, topk)] + [rng.randint(64, max(64, max_ctx))] * 3
                 )
-                if w.can_add(ctx):
+                donors = [q for q in w.reqs if len(w.reqs[q]) >= PAGE_SIZE]
+                if share and donors and rng.random() < 0.5:
+                    q = rng.choice(donors)
+                    p = PAGE_SIZE * rng.randint(1, len(w.reqs[q]) // PAGE_SIZE)
+                    ctx = p + rng.randint(0, max_ctx // 2)
+                    if w.can_add(ctx - p):
+                        w.add_request(r, ctx, prefix_of=q, prefix_len=p)
+                elif w.can_add(ctx):
                     w.add_request(r, ctx)
         for r in list(w.reqs):
             w.decode_token(r)
@@ -321,6 +356,9 @@ def run_trace(
         nr = torch.tensor([bs if dp_padding else n_real], dtype=torch.int32)
         for layer in range(num_layers):
             rows = [w.topk_row(r) for r in live]
+            if share:
+                seen = Counter(x for row in rows for x in set(row.tolist()) if x >= 0)
+                w.stats.update(locs_in_two_rows=sum(1 for c in seen.values() if c > 1))
             rows += [torch.randint(-1, 50, (topk,), dtype=torch.int32) for _ in range(bs - n_real)]
             topk_t = torch.stack(rows)
             topk_copy = topk_t.clone()
@@ -331,6 +369,8 @@ def run_trace(
             if check:
                 w.load_and_check(layer, topk_t, rpi, n_real, res, compact)
                 for b, r in enumerate(live):
+                    if r in w.tainted:  # hits depend on hints other rows move: content only
+                        continue
                     w.check_lru_step(
                         layer, r, topk_t[b], before[r], w.state.num_slots_cpu[r], overflow
                     )
@@ -340,5 +380,5 @@ def run_trace(
             if on_step is not None:
                 on_step(w, layer, dict(topk=topk_t, rpi=rpi, n_real=n_real, res=res))
         if check:
-            w.state.check_invariants()
+            w.state.check_invariants(exact_hints=not w.shared_ever)
     return w

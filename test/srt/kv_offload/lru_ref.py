@@ -2,13 +2,16 @@
 
 Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = num_slots[r]``):
 
-1. For each top-k entry ``t``: -1 stays -1; a resident loc (``loc_to_slot[t] >= 0``) is a *hit*; a
-   non-resident loc with ``loc_to_tail[t] > 0`` resolves to that tail row (no cache use); anything
-   else is a *miss*.
+1. For each top-k entry ``t``: -1 stays -1; a loc whose hint names a slot of this request holding
+   it (``s = loc_to_slot[t] >= 0`` and ``slot_loc[r, s] == t``) is a *hit*; otherwise a loc with
+   ``loc_to_tail[t] > 0`` resolves to that tail row (no cache use); anything else is a *miss*.
+   ``loc_to_slot`` is a hint because a shared prefix's locs (radix cache) belong to several
+   requests: it names the slot of the request that loaded the loc last.
 2. Misses are de-duplicated; unique misses are ranked by first occurrence in the row.
 3. The request's LRU order is split, keeping relative order, into *evictable* slots (not hit this
    step) and *needed* slots. The ``M`` unique misses take the first ``min(M, E)`` evictable slots
-   (least recently used first); their previous locs are unmapped.
+   (least recently used first); each victim's previous loc is unmapped if its hint still names
+   that slot. The loaded misses' hints then name their new slots; overflowed ones become -1.
 4. New order: untaken evictable slots, then needed slots, then the newly loaded slots in miss rank
    (hits and loads become most recent).
 5. Outputs: physical rows (tail row, or ``out_cache_loc_sparse[r, slot]``); the miss list packed at
@@ -18,7 +21,9 @@ Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = 
 Misses beyond the ``E`` evictable slots (contract violation: the request owns too few slots) resolve
 to -1 and set bit 0 of the error flags; a miss whose ``loc_to_host`` is -1 sets bit 1. Padded
 rows (``b >= num_real_reqs[0]``, or request row 0, upstream's padding row) get -1 outputs and
-never touch the state.
+never touch the state. Rows are planned in order, each seeing the state the rows before it left:
+what the kernel does under ``TRITON_INTERPRET=1`` (one program after the other). On a GPU, rows
+sharing a loc race only over its hint: the rows' outputs stay correct, the final hint may differ.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ def plan_layer_ref(
         t = topk[b].long()
         valid = t >= 0
         tc = t.clamp(min=0)
-        slot = torch.where(valid, loc_to_slot[tc].long(), -1)
-        hit = slot >= 0
+        hint = torch.where(valid, loc_to_slot[tc].long(), -1)
+        held = torch.where(hint >= 0, slot_loc[r, hint.clamp(min=0)].long(), -1)
+        hit = valid & (hint >= 0) & (held == t)
+        slot = torch.where(hit, hint, -1)
         tail = torch.where(valid & ~hit, loc_to_tail[tc].long(), -1)
         is_tail = tail > 0  # 0 is upstream's "unmapped" (row 0 is the padding row)
         miss = valid & ~hit & ~is_tail
@@ -87,8 +94,12 @@ def plan_layer_ref(
             err |= ERR_SLOT_OVERFLOW
         victims = evictable[:Mt]
         old = slot_loc[r, victims].long()
-        loc_to_slot[old[old >= 0]] = -1
+        gone = old >= 0
+        # unmap only where the hint still names the victim slot (not another request's slot)
+        cur = loc_to_slot[old[gone]].long()
+        loc_to_slot[old[gone][cur == victims[gone]]] = -1
         loc_to_slot[uq[:Mt]] = victims.to(torch.int32)
+        loc_to_slot[uq[Mt:]] = -1  # overflowed misses: their claim goes back to -1
         slot_loc[r, victims] = uq[:Mt].to(torch.int32)
         lru[r, :n] = torch.cat([evictable[Mt:], kept, victims]).to(lru.dtype)
 

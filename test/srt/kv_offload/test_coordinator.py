@@ -54,8 +54,10 @@ class Harness:
         debug=True,
         verify_tokens=1,
         tail_pages=2,
+        share_prefixes=False,
     ):
         self.device = device
+        self.share_prefixes = share_prefixes
         self.pool = offload_device_pool(
             physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
@@ -82,6 +84,7 @@ class Harness:
             max_bs=max_reqs,
             verify_tokens=verify_tokens,
             tail_pages=tail_pages,
+            share_prefixes=share_prefixes,
         )
         self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
@@ -188,7 +191,7 @@ class Harness:
                 assert bool((got > 0).all()) and bool((rows[b, len(pos) :] == -1).all())
                 expect = self.kv[reqs[b]][layer][torch.tensor(pos, dtype=torch.int64)]
                 assert torch.equal(view[got], expect), f"layer {layer} req {reqs[b]} wrong rows"
-        self.sparse.check_invariants()
+        self.sparse.check_invariants(exact_hints=not self.share_prefixes)
 
     def retire(self, r) -> bool:
         """Release a request (finish / abort / retract all free the same way)."""
@@ -742,3 +745,74 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     h.coord.drain()
     assert gate.can_stage_prefill(_prompt(128), [])
     h.finish_all()
+
+
+def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_host():
+    """The radix cache's path, driven by hand: request B's row starts with request A's first two
+    pages (a cached prefix). B's prefill reads them back from the host (restore_for_extend), B's
+    admission leaves their backup to A, both decode on them; A's release flushes its backups (the
+    tree keeps host rows only), B still reads the prefix from the host; after both and the tree's
+    eviction every free count is back at start."""
+    h = Harness(physical_pages=20, share_prefixes=True)
+    gen = torch.Generator().manual_seed(3)
+
+    def draw(n):
+        return torch.randint(0, n, (min(TOPK, n),), generator=gen).tolist()
+
+    assert h.admit(200)
+    (a,) = h.kv
+    for _ in range(3):
+        h.step([a], draw)
+    h.coord.drain()
+    prefix = h.r2t.req_to_token[a, :128].long()
+    assert bool((h.alloc.loc_to_host[prefix] >= 0).all())  # A backed them up
+    assert bool((h.alloc.full_to_hisparse_device_index_mapping[prefix] == 0).all())
+    # B: the prefix, then 60 tokens of its own (prefilled: the extend allocates them)
+    b = h.free_reqs.pop()
+    n = 188
+    pre = torch.tensor([128])
+    seq = torch.tensor([n])
+    d = h.device
+    own = h.alloc.alloc_extend(pre.to(d), pre, seq.to(d), seq, prefix[-1:], n - 128)
+    h.r2t.req_to_token[b, :128] = prefix.to(torch.int32)
+    h.r2t.req_to_token[b, 128:n] = own.to(torch.int32)
+    rows = [h.rand_rows(n - 128) for _ in range(LAYERS)]
+    h.write_rows(own, rows)
+    h.kv[b] = [torch.cat([h.kv[a][layer][:128], rows[layer]]) for layer in range(LAYERS)]
+    h.coord.restore_for_extend([prefix])  # the prefill reads the prefix through the mapping
+    phys = h.alloc.full_to_hisparse_device_index_mapping[prefix]
+    assert bool((phys > 0).all())
+    for layer in range(LAYERS):
+        assert torch.equal(h.pool.device_row_view(layer)[phys], h.kv[a][layer][:128])
+    h.coord.release_restored()  # next scheduler iteration
+    assert bool((h.alloc.full_to_hisparse_device_index_mapping[prefix] == 0).all())
+    backed = h.coord.stats["backup_tokens"]
+    h.coord.admit(b, n)
+    assert h.coord.stats["shared_prefix_tokens"] == 128
+    for _ in range(4):
+        h.step([a, b], draw)
+    h.coord.drain()
+    # B backed up nothing of the prefix: its own first page (128..191) is not complete before 192
+    assert h.coord.stats["backup_tokens"] - backed == (h.seq_len(a) - 1) // P * P - 192
+    # A ends; the tree keeps its first two pages and frees the rest
+    n_a = h.seq_len(a)
+    assert h.coord.release(a, kv_len=n_a)
+    assert not h.coord.controller.has_inflight()
+    locs_a = h.r2t.req_to_token[a, :n_a].long()
+    h.alloc.free(locs_a[128:])
+    del h.kv[a]
+    assert bool((h.alloc.loc_to_host[prefix] >= 0).all())
+    for _ in range(3):
+        h.step([b], draw)
+    n_b = h.seq_len(b)
+    assert h.coord.release(b, kv_len=n_b)
+    h.alloc.free(h.r2t.req_to_token[b, 128:n_b].long())
+    del h.kv[b]
+    # the tree's pages: logical locs and host slots only, no GPU row
+    free = h.alloc.free_counts()
+    assert free["physical"] == h.start["physical"]
+    assert h.start["logical"] - free["logical"] == 128 == h.start["host"] - free["host"]
+    h.alloc.free(prefix)  # evicted
+    assert h.alloc.free_counts() == h.start
+    h.sparse.check_invariants(exact_hints=False)
+    assert bool((h.sparse.loc_to_slot == -1).all())

@@ -74,9 +74,10 @@ def lockstep(max_bs: int, topk: int, max_slots: int, compact: bool, num_warps: i
     max_ctx=st.sampled_from([60, 300]),
     compact=st.booleans(),
     graph_bs=st.sampled_from([None, 6]),
+    share=st.booleans(),
 )
 def test_kernel_equals_reference_on_random_traces(
-    seed, topk, buffer_slots, max_ctx, compact, graph_bs
+    seed, topk, buffer_slots, max_ctx, compact, graph_bs, share
 ):
     max_reqs = 4
     plan = lockstep(max(max_reqs, graph_bs or 0), topk, buffer_slots, compact)
@@ -91,6 +92,7 @@ def test_kernel_equals_reference_on_random_traces(
         graph_bs=graph_bs,
         max_reqs=max_reqs,
         pool_pages=14,
+        share=share,
     )
 
 
@@ -108,12 +110,17 @@ def test_kernel_trace_exercises_every_path():
             compact=True,
             graph_bs=6,
             pool_pages=14,
+            share=seed > 0,
         )
         for r in list(w.reqs):
             w.release(r)
         assert w.alloc.available_size() == w.free_at_start
+        assert not w.loc_refs and bool((w.state.loc_to_slot == -1).all())
         total = w.stats if total is None else total + w.stats
     for what in ("hits", "misses", "evictions", "tail", "dups", "padded_rows", "row0_padded_rows"):
+        assert total[what] > 0, (what, total)
+    # shared radix prefixes, and a shared loc in two rows of one launch (claims of two rows)
+    for what in ("shared_prefix_tokens", "locs_in_two_rows"):
         assert total[what] > 0, (what, total)
 
 
@@ -350,3 +357,101 @@ def test_gpu_cuda_graph_replay_matches_eager(compact):
         ):
             assert torch.equal(a, b)
         assert int(ws_g.error_flags[0]) == 0
+
+
+def test_requests_sharing_a_prefix_keep_their_own_slots():
+    """A radix prefix: two requests' rows name the same locs. Each request resolves them to its own
+    slots (or the loc's tail row), never to the other's; both rows missing a loc in one launch load
+    it once per request (claims are per row), and within a row a duplicate is loaded once."""
+    w = World(random.Random(1), num_layers=1, max_reqs=2, topk=32, buffer_slots=128, pool_pages=8)
+    assert w.add_request(1, 128)
+    assert w.add_request(2, 150, prefix_of=1, prefix_len=128)
+    shared = w.reqs[1][:32]
+    plan = lockstep(2, 32, 128, compact=True)
+    rows = [torch.tensor(shared, dtype=torch.int32)] * 2
+    rows[1] = rows[1].clone()
+    rows[1][5] = rows[1][3]  # a duplicate in row 1
+    rpi = torch.tensor([1, 2], dtype=torch.int64)
+    nr = torch.tensor([2], dtype=torch.int32)
+    for step in range(3):
+        topk = torch.stack(rows)
+        res = plan(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
+        w.load_and_check(0, topk, rpi, 2, res, compact=True)
+        own = [set(w.state.out_cache_loc_sparse[r, :128].tolist()) for r in (1, 2)]
+        assert set(res.out_indices[0].tolist()) <= own[0]
+        assert set(res.out_indices[1].tolist()) <= own[1]
+        if step == 0:  # both rows miss all 32 locs: each request loads them into its own slots
+            assert res.num_misses.tolist() == [32, 31]
+        w.state.check_invariants(exact_hints=False)
+    # the hint names one request's slot: the other one loses it and loads again (a known cost)
+    assert int(res.miss_count[0]) > 0
+    w.release(1)  # request 2 still uses the prefix: its locs stay, its hits stay correct
+    assert all(w.loc_refs[x] == 1 for x in shared)
+    res = plan(
+        torch.stack(rows[1:]),
+        rpi[1:],
+        torch.tensor([1], dtype=torch.int32),
+        w.loc_to_host,
+        w.loc_to_tail,
+        w.state.layer(0),
+    )
+    w.load_and_check(0, torch.stack(rows[1:]), rpi[1:], 1, res, compact=True)
+    w.release(2)
+    assert bool((w.state.loc_to_slot == -1).all()) and not w.loc_refs
+    assert w.alloc.available_size() == w.free_at_start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_rows_sharing_a_prefix_resolve_right_rows_under_races():
+    """On a GPU, rows sharing a prefix race over the hints and claims of its locs (all rows run at
+    once). Outputs must still be the right rows, the state consistent, no flag raised."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+
+    dev = torch.device("cuda")
+    L, R, K, S = 2, 8, 2048, 4096
+    prefix, own = 8192, 3000
+    N = prefix + R * own + 64
+    W = 4
+    g = torch.Generator(device="cpu").manual_seed(0)
+    host = torch.randint(0, 2**62, (N, W), generator=g).to(dev)
+    l2h = torch.randperm(N, generator=g).to(dev)
+    l2t = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    pages = (R * S) // 64 + 8
+    alloc = PagedTokenToKVPoolAllocator(pages * 64, 64, torch.int64, dev, None, False)
+    st = SparseCacheState(L, N, R + 1, S, K, alloc, dev)
+    for r in range(R):
+        assert st.admit(r + 1, prefix + own)
+    P = (pages + 1) * 64
+    kv = torch.zeros((L, P, W), dtype=torch.int64, device=dev)
+    ws = PlanWorkspace(R, K, S, dev)
+    for step in range(20):
+        gg = torch.Generator(device="cpu").manual_seed(step)
+        rows = []
+        rpi_cpu = torch.randperm(R, generator=gg) + 1
+        for r in (rpi_cpu - 1).tolist():
+            hot = torch.randperm(prefix // 4, generator=gg)[: K // 2]  # hot prefix, all rows
+            mine = prefix + r * own + torch.randperm(own, generator=gg)[: K // 2]
+            row = torch.cat([hot, mine])[torch.randperm(K, generator=gg)]
+            row[torch.randperm(K, generator=gg)[:32]] = row[0].clone()
+            rows.append(row)
+        topk = torch.stack(rows).to(torch.int32).to(dev)
+        rpi = rpi_cpu.to(dev)
+        nr = torch.tensor([R], dtype=torch.int32, device=dev)
+        for layer in range(L):
+            res = plan_layer(topk, rpi, nr, l2h, l2t, st.layer(layer), ws, compact=True)
+            valid = torch.arange(R * K, device=dev) < res.miss_count
+            src = torch.where(valid, res.miss_host, 0)
+            dst = torch.where(valid, res.miss_dst.long(), P - 1)
+            assert int(dst[valid].unique().numel()) == int(valid.sum())
+            kv[layer].index_copy_(0, dst, host[src])
+            o = res.out_indices.long()
+            assert bool((o >= 0).all())
+            assert torch.equal(kv[layer][o], host[l2h[topk.long()]])
+            for b in range(R):  # each row reads its own request's slots
+                r = int(rpi[b])
+                owned = torch.isin(o[b], st.out_cache_loc_sparse[r, :S].long())
+                assert bool(owned.all())
+        st.check_invariants(exact_hints=False)
+        assert int(ws.error_flags[0]) == 0

@@ -325,7 +325,8 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         "enable_unified_memory": "--enable-unified-memory (the split pool sizes GPU memory "
         "itself)",
         "disaggregation_decode_enable_radix_cache": "--disaggregation-decode-enable-radix-cache "
-        "(offloaded KV is owned by one request)",
+        "(a PD decode server's prefix cache is not wired to kv offload's host pool yet: the "
+        "co-located server's radix cache is)",
         "enable_streaming_session": "--enable-streaming-session (a session keeps a request's KV "
         "row for its next turn; offloaded KV is released with the request)",
     }
@@ -351,11 +352,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         )
     if config.pd_direct_to_host:
         _check_direct_to_host(cfg)
-    if cfg.disaggregation_mode == "null" and not cfg.disable_radix_cache:
-        _reject(
-            "the radix cache shares prompt KV between requests, but offloaded KV is owned by one "
-            "request. Add --disable-radix-cache (PD decode servers disable it already)."
-        )
 
     kv_dtype = cfg.kv_cache_dtype
     if cfg.dsa_prefill_backend == "flashmla_sparse_q8":

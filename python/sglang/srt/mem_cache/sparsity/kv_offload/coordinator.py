@@ -15,6 +15,12 @@ A request's KV moves through three places:
 A PD decode server with ``pd_direct_to_host`` skips the first place for the prompt: the prefill
 side writes it straight into host pages (:meth:`admit_from_host` takes it over from there).
 
+With the radix cache (``share_prefixes``) a request's row may start with a cached prefix: locs the
+tree owns, whose index keys and host rows (or, until their backup completes, GPU rows) all its users
+read; only the sparse slots are per request. Each page is backed up once, by the first request
+admitted with it (``HOST_CLAIMED`` in ``loc_to_host`` marks a claimed page until its backup
+completes). Released requests leave no backup in flight: whatever the tree keeps is on the host.
+
 The scheduler-side calls (:meth:`admit`, :meth:`admit_from_host`, :meth:`before_decode_step`,
 :meth:`poll`, :meth:`release`) run between forward passes and may touch host state; the per-layer
 swap-in inside the forward is the attention adapter's
@@ -39,6 +45,9 @@ from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheSta
 
 logger = logging.getLogger(__name__)
 
+# ``loc_to_host`` value of a page whose backup a request has claimed (radix cache; see admit).
+HOST_CLAIMED = -2
+
 
 @dataclasses.dataclass
 class OffloadedRequest:
@@ -49,6 +58,10 @@ class OffloadedRequest:
     written_len: int  # positions whose KV rows are written; only these may be backed up
     backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
     has_slots: bool = False
+    # Radix cache: the prompt pages this request must back up (whole pages of logical locs, on the
+    # device) when the rest of [0, backed_up_end) are a shared prefix backed up by another request.
+    own_pages: Optional[torch.Tensor] = None
+    fail_reason: Optional[str] = None  # fails at its first decode step (see admit)
 
 
 class KVOffloadCoordinator:
@@ -90,8 +103,10 @@ class KVOffloadCoordinator:
         forward_stream: Optional[torch.Stream] = None,
         tail_pages: int = 2,
         verify_tokens: int = 1,
+        share_prefixes: bool = False,
     ) -> None:
         self.req_to_token = req_to_token
+        self.share_prefixes = share_prefixes
         self.allocator = allocator
         self.controller = controller
         self.sparse_cache = sparse_cache
@@ -117,6 +132,9 @@ class KVOffloadCoordinator:
             else None
         )
         self.requests: Dict[int, OffloadedRequest] = {}
+        # Radix cache: (logical locs, physical rows) of host-only prefix pages read back into GPU
+        # rows for an extend (restore_for_extend), released at the next scheduler iteration.
+        self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
@@ -137,6 +155,9 @@ class KVOffloadCoordinator:
             "deferred_backups": 0,
             "forced_backups": 0,
             "prefill_waits": 0,
+            "shared_prefix_tokens": 0,
+            "release_drains": 0,
+            "restored_prefix_tokens": 0,
         }
 
     # ------------------------------------------------------------------ admission control
@@ -190,11 +211,37 @@ class KVOffloadCoordinator:
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
         )
+        on_host_only = self._claim_prompt_pages(req) if self.share_prefixes else False
         self.requests[r] = req
         self.reservations.add(r)
         self.stats["admitted"] += 1
         self._grant_slots(req)
+        if on_host_only and not req.has_slots:
+            # Its cached prefix is on the host only: without slots no miss could be placed.
+            req.fail_reason = self._no_slots_reason(req)
         self._start_backups([req])
+
+    def _claim_prompt_pages(self, req: OffloadedRequest) -> bool:
+        """Radix cache: split the written prompt pages into those another request backs up (a
+        cached prefix: host slot set or claimed) and this request's own, which it claims.
+
+        One small device read per admission. Returns whether some prefix page is on the host only.
+        """
+        page = self.page_size
+        full = req.written_len // page * page
+        req.backed_up_end = full
+        if full == 0:
+            return False
+        locs = self.req_to_token[req.req_pool_idx, :full].to(torch.int64)
+        firsts = locs[::page]
+        host = self.allocator.loc_to_host[firsts].cpu()
+        mine = host == -1
+        if bool(mine.any()):
+            own = locs.view(-1, page)[mine.to(locs.device)].reshape(-1)
+            self.allocator.loc_to_host.index_fill_(0, own, HOST_CLAIMED)
+            req.own_pages = own
+        self.stats["shared_prefix_tokens"] += int((~mine).sum()) * page
+        return bool((host >= 0).any())
 
     def admit_from_host(self, req_pool_idx: int, prompt_len: int) -> None:
         """Take over a PD request whose prompt KV the prefill side wrote into host pages.
@@ -300,7 +347,9 @@ class KVOffloadCoordinator:
                 continue  # not offloaded (e.g. admitted in this very step by the caller later)
             req.seq_len = int(n)
             req.written_len = int(w)
-            if not self._grant_slots(req):
+            if req.fail_reason is not None:
+                failed.append((req.req_pool_idx, req.fail_reason))
+            elif not self._grant_slots(req):
                 failed.append((req.req_pool_idx, self._no_slots_reason(req)))
             reqs.append(req)
         self._start_backups(reqs)
@@ -321,6 +370,57 @@ class KVOffloadCoordinator:
             f"{st['admitted']} ({st['admitted_from_host']} from host), released {st['released']}"
         )
 
+    def restore_for_extend(self, prefixes: Sequence[torch.Tensor]) -> None:
+        """Before an extend (prefill chunk) whose requests start with a cached prefix: read every
+        prefix page that has no GPU row (backed up, physical rows freed) back from the host into
+        fresh physical pages, mapped as tail rows, on the current stream (the forward follows).
+
+        The prefill reads the whole prefix through the logical->physical mapping; decode steps
+        of other requests read a mapped page as tail rows too (same content). The pages are
+        released by :meth:`release_restored` at the next scheduler iteration, after that extend
+        (the prefix's tree nodes are locked by the requests until then). One device read.
+        Raises RuntimeError when the physical pool cannot hold them (``can_stage_prefill`` counts
+        the whole prompt, prefix included, as staging, so it can).
+        """
+        page = self.page_size
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        locs = torch.cat([p.to(mapping.device, torch.int64) for p in prefixes])
+        first = torch.unique(locs // page) * page
+        first = first[mapping[first] <= 0].cpu()  # the one sync
+        if first.numel() == 0:
+            return
+        self._after_inflight_forward()
+        n = first.numel() * page
+        physical = self.allocator.hisparse_attn_allocator.alloc(n)
+        if physical is None:
+            raise RuntimeError(
+                f"kv_offload: no GPU rows to read {n} cached prefix tokens back for a prefill "
+                f"({self.allocator.physical_available_size()} free)"
+            )
+        logical = (first[:, None] + torch.arange(page)).reshape(-1).to(mapping.device)
+        host = self.allocator.loc_to_host[logical]
+        self.controller.load_rows(host, physical)
+        mapping[logical] = physical.to(mapping.dtype)
+        self._restored.append((logical, physical))
+        self.stats["restored_prefix_tokens"] += n
+
+    def release_restored(self) -> None:
+        """Give back the pages :meth:`restore_for_extend` mapped, after the extends that read
+        them (ordered after the forward in flight)."""
+        if not self._restored:
+            return
+        self._after_inflight_forward()
+        logical = torch.cat([lg for lg, _ in self._restored])
+        physical = torch.cat([ph for _, ph in self._restored])
+        self._restored = []
+        mapping = self.allocator.full_to_hisparse_device_index_mapping
+        # A page the tree evicted meanwhile was freed with its rows: not ours to free any more.
+        ours = (mapping[logical] == physical.to(mapping.dtype)).view(-1, self.page_size).all(1)
+        ours = ours.cpu()
+        if bool(ours.any()):
+            keep = ours.repeat_interleave(self.page_size).to(logical.device)
+            self.allocator.release_physical(logical[keep])
+
     def poll(self) -> int:
         """Complete finished backups without blocking (every scheduler iteration, and before
         anything that reads free counts); returns how many completed. Completion frees physical
@@ -329,21 +429,31 @@ class KVOffloadCoordinator:
         (under the overlap scheduler that stream prepares the next batch beside the forward)."""
         return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
-    def release(self, req_pool_idx: int, free_kv: bool = False) -> bool:
+    def release(self, req_pool_idx: int, free_kv: bool = False, kv_len: int = 0) -> bool:
         """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
 
         Frees the sparse slots and LRU entries, cancels in-flight backups (their host slots are
         returned when the copy ends). With ``free_kv`` it also frees the request's logical locs and,
         through the allocator, their physical rows and host slots; without it the caller frees them
         (upstream's ``release_kv_cache`` path does, through the same allocator).
+
+        With the radix cache the tree may keep any of the request's complete pages (and frees
+        the rest, duplicates of pages it had included), so nothing is cancelled: the request's
+        complete written pages not yet backed up are backed up now and every backup is waited for
+        (:meth:`_flush_for_tree`). The tree then owns host rows only.
         """
         self.reservations.discard(int(req_pool_idx))
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
+            if self.share_prefixes and not free_kv and kv_len >= self.page_size:
+                self._flush_unadmitted(int(req_pool_idx), int(kv_len))
             return False
         self._after_inflight_forward()
         self.sparse_cache.release(req.req_pool_idx)
-        self.controller.cancel_tag(req.req_pool_idx)
+        if self.share_prefixes and not free_kv:
+            self._flush_for_tree(req)
+        else:
+            self.controller.cancel_tag(req.req_pool_idx)
         if free_kv and req.seq_len > 0:
             self.allocator.free(self.req_to_token[req.req_pool_idx, : req.seq_len].to(torch.int64))
         self.stats["released"] += 1
@@ -352,6 +462,63 @@ class KVOffloadCoordinator:
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
         self.controller.drain()
+
+    def _flush_unadmitted(self, r: int, kv_len: int) -> None:
+        """Radix cache: a request released before any decode step (finished by its prefill,
+        aborted or retracted while prefilling) leaves prompt pages the tree may keep in GPU rows
+        that nobody has claimed: back them up now and wait (as :meth:`_flush_for_tree`)."""
+        page = self.page_size
+        full = kv_len // page * page
+        locs = self.req_to_token[r, :full].to(torch.int64)
+        host = self.allocator.loc_to_host[locs[::page]].cpu()
+        mine = host == -1
+        if not bool(mine.any()):
+            return
+        self._after_inflight_forward()
+        own = locs.view(-1, page)[mine.to(locs.device)].reshape(-1)
+        if self.controller.backup_batch([(r, own, 0, full)]) is None:
+            logger.warning(
+                "kv_offload: host pool full when req %d ended before decoding; its prompt pages "
+                "stay in GPU rows until the radix cache evicts them or a request claims them",
+                r,
+            )
+            return
+        self.stats["backup_tokens"] += own.numel()
+        self.stats["release_drains"] += 1
+        self.controller.drain()
+
+    def _flush_for_tree(self, req: OffloadedRequest) -> None:
+        """Back up ``req``'s complete pages that have no backup yet and wait for every backup in
+        flight, so that no backup completes after the tree has freed (or another request reads as
+        backed up) a page of this request.
+
+        Its KV is written up to ``seq_len`` (the last decode step's forward writes the last
+        position; a later one of the overlap scheduler, if any, is ordered before the copy). Pages
+        past what the tree keeps are backed up for nothing and freed with the request. Blocking:
+        one wait for the write stream, which runs after the forward in flight
+        (docs/kv_offload_design.md, "Radix cache").
+        """
+        req.written_len = max(req.written_len, req.seq_len)
+        if req.has_slots:
+            self._start_backups([req])
+        else:  # backups need slots only for the plan's sake; this request plans no more
+            req.has_slots = True
+            self._start_backups([req])
+            req.has_slots = False
+        if req.own_pages is not None:
+            # Unclaimed again, so that a later request with this prefix backs them up.
+            self.allocator.loc_to_host.index_fill_(0, req.own_pages, -1)
+        if req.own_pages is not None or req.backed_up_end < req.written_len // self.page_size * (
+            self.page_size
+        ):
+            logger.warning(
+                "kv_offload: host pool full when req %d ended; its last pages stay in GPU rows "
+                "until the radix cache evicts them",
+                req.req_pool_idx,
+            )
+        if self.controller.has_inflight():
+            self.stats["release_drains"] += 1
+            self.controller.drain()
 
     # ------------------------------------------------------------------ helpers
     def _after_inflight_forward(self) -> None:
@@ -455,17 +622,20 @@ class KVOffloadCoordinator:
         wait for ever. Done only when its rows are enough, so it never ends up with neither.
         """
         r = req.req_pool_idx
-        end = req.written_len // self.page_size * self.page_size
-        own = end - req.backed_up_end
+        end = max(req.written_len // self.page_size * self.page_size, req.backed_up_end)
+        locs = self.req_to_token[r, req.backed_up_end : end].to(torch.int64)
+        if req.own_pages is not None:
+            locs = torch.cat([req.own_pages, locs])
+        own = locs.numel()
         need = self.sparse_cache.slots_for(req.seq_len)
         if own <= 0 or self.allocator.physical_available_size() + own < need:
             return False
-        locs = self.req_to_token[r, req.backed_up_end : end].to(torch.int64)
         if self.controller.backup_batch([(r, locs, req.backed_up_end, end)]) is None:
             return False  # the host pool is full: stay in tail rows
-        self.stats["backup_tokens"] += end - req.backed_up_end
+        self.stats["backup_tokens"] += own
         self.stats["forced_backups"] += 1
         req.backed_up_end = end
+        req.own_pages = None
         self.controller.drain()  # completes every backup, this one included: its pages are freed
         req.has_slots = self.sparse_cache.admit(r, req.seq_len)
         logger.warning(
@@ -486,17 +656,20 @@ class KVOffloadCoordinator:
             end = req.written_len // self.page_size * self.page_size
             # Only requests that hold sparse slots give up their tail rows: without slots the
             # plan could not place a miss.
-            if not req.has_slots or end <= req.backed_up_end:
+            if not req.has_slots or (end <= req.backed_up_end and req.own_pages is None):
                 continue
             locs = self.req_to_token[req.req_pool_idx, req.backed_up_end : end].to(torch.int64)
-            items.append((req.req_pool_idx, locs, req.backed_up_end, end))
-            pending.append((req, end))
+            if req.own_pages is not None:  # claimed prompt pages before backed_up_end
+                locs = torch.cat([req.own_pages, locs])
+            items.append((req.req_pool_idx, locs, req.backed_up_end, max(end, req.backed_up_end)))
+            pending.append((req, max(end, req.backed_up_end)))
         if not items:
             return
         handles = self.controller.backup_batch(items)
         if handles is None:
             self.stats["deferred_backups"] += 1
             return
-        for req, end in pending:
-            self.stats["backup_tokens"] += end - req.backed_up_end
+        for (req, end), (_, locs, _, _) in zip(pending, items):
+            self.stats["backup_tokens"] += locs.numel()
             req.backed_up_end = end
+            req.own_pages = None

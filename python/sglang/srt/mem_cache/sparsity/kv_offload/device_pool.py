@@ -583,6 +583,11 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def clear(self):
         super().clear()
         if self.loc_to_host is not None:
+            # /flush_cache when idle: the radix cache's locs are dropped with their host slots.
+            if self.host_pool is not None:
+                host = self.loc_to_host[self.loc_to_host >= 0]
+                if host.numel():
+                    self.host_pool.free(host)
             self.loc_to_host.fill_(-1)
 
 

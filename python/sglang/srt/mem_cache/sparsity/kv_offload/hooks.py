@@ -74,14 +74,20 @@ class KVOffloadHooks(abc.ABC):
         gets ``to_finish`` set to an abort naming the fix."""
 
     @abc.abstractmethod
+    def prepare_extend(self, batch: "ScheduleBatch") -> None:
+        """``ScheduleBatch.prepare_for_extend``, after the extend's locs are allocated: cached
+        prefix pages (radix cache) held on the host only are read back into GPU rows for the
+        prefill, until the next scheduler iteration."""
+
+    @abc.abstractmethod
     def can_stage_prefill(self, req: "Req", scheduled: Sequence["Req"]) -> bool:
         """``PrefillAdder.add_one_req``: whether ``req``'s prompt staging rows and promised sparse
         slots fit in GPU KV rows beside ``scheduled`` and the running requests."""
 
     @abc.abstractmethod
-    def release_request(self, req_pool_idx: Optional[int]) -> None:
+    def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         """``release_kv_cache``, before the request's KV is freed (finish, abort, retract,
-        failed transfer)."""
+        failed transfer); ``kv_len``: positions of its row whose KV is written (committed)."""
 
     @abc.abstractmethod
     def on_scheduler_iteration(self) -> None:

@@ -115,36 +115,51 @@ def _plan_layer_kernel(
         valid = t >= 0
         t64 = t.to(tl.int64)
 
-        # 1. classify
-        slot = tl.load(loc_to_slot_ptr + t64, mask=valid, other=-1)
-        hit = slot >= 0
-        cold = valid & (slot < 0)
+        # 1. classify. loc_to_slot is a hint: a loc of a shared prefix (radix cache) is in the
+        # req_to_token rows of several requests, each with slots of its own, and the hint names
+        # the slot of the last request that loaded it. It is a hit only if this request's slot
+        # holds the loc (slot_loc, written by this request's plans only).
+        st_row = r * state_stride
+        hint = tl.load(loc_to_slot_ptr + t64, mask=valid, other=-1)
+        held = tl.load(slot_loc_ptr + st_row + hint, mask=valid & (hint >= 0), other=-1)
+        hit = valid & (hint >= 0) & (held == t)
+        slot = tl.where(hit, hint, -1)
+        cold = valid & ~hit
         tail = tl.load(loc_to_tail_ptr + t64, mask=cold, other=-1).to(tl.int32)
         # Row 0 is the allocators' reserved padding row, and upstream's logical->physical mapping
         # uses 0 for "unmapped": only a positive row is a tail row.
         is_tail = tail > 0
         miss = cold & (tail <= 0)
 
-        # 2. mark needed slots, claim missing locs (first occurrence wins)
+        # 2. mark needed slots, claim missing locs. A claim code names its row and entry:
+        # -(2 + b*K + (K-1-k)), so within a row the first occurrence of a loc wins the atomic_min.
+        # An entry whose loc holds a code of another entry of its own row is a duplicate; any
+        # other value (its own code, another row's code, or what another row wrote after its own
+        # claim) makes it a unique miss: rows never wait for each other, and a row that lost the
+        # loc to another row loads it into its own slot.
         offs_s = tl.arange(0, BLOCK_S)
         mark_row = mark_ptr + b.to(tl.int64) * BLOCK_S
         vict_row = vict_ptr + b.to(tl.int64) * BLOCK_K
         tl.store(mark_row + offs_s, tl.zeros([BLOCK_S], tl.int32))
         tl.debug_barrier()
         tl.store(mark_row + slot, tl.full([BLOCK_K], 1, tl.int32), mask=hit)
-        code = offs_k - (K + 2)  # < -1 and increasing in k
+        bk = b.to(tl.int32) * K
+        code = -2 - (bk + (K - 1 - offs_k))
         tl.atomic_min(loc_to_slot_ptr + t64, code, mask=miss)
         tl.debug_barrier()
         # .cg: the atomics went to L2, do not read a stale L1 line from step 1
         claim = tl.load(loc_to_slot_ptr + t64, mask=miss, other=0, cache_modifier=".cg")
-        rep = miss & (claim == code)
+        cval = -2 - claim  # b*K + (K-1-k) of the winning entry, if claim is a code
+        mine = (claim <= -2) & (cval >= bk) & (cval < bk + K)
+        rep = miss & ((claim == code) | ~mine)
+        dup = miss & ~rep
+        winner = (K - 1) - (cval - bk)  # the row's first entry of the loc, for duplicates
         rep_i = rep.to(tl.int32)
         M = tl.sum(rep_i, axis=0)
         mrank = tl.cumsum(rep_i, axis=0) - rep_i
 
         # 3. split the LRU order into evictable / needed, pick victims
         smask = offs_s < n
-        st_row = r * state_stride
         sl = tl.load(lru_ptr + st_row + offs_s, mask=smask, other=0).to(tl.int32)
         need = tl.load(mark_row + sl, mask=smask, other=0, cache_modifier=".cg")
         ev = smask & (need == 0)
@@ -155,11 +170,13 @@ def _plan_layer_kernel(
         take = ev & (erank < Mt)
         tl.store(vict_row + erank, sl, mask=take)
         old = tl.load(slot_loc_ptr + st_row + sl, mask=take, other=-1)
-        tl.store(
-            loc_to_slot_ptr + old.to(tl.int64),
-            tl.full([BLOCK_S], -1, tl.int32),
-            mask=take & (old >= 0),
-        )
+        # Unmap an evicted loc only if the hint still names this slot (another request may hold
+        # it, or this row may be claiming it). Not atomic: a race only loses a hint (a later
+        # miss) or turns another row's claim into a unique miss; neither resolves a wrong row.
+        old64 = old.to(tl.int64)
+        gone = take & (old >= 0)
+        cur = tl.load(loc_to_slot_ptr + old64, mask=gone, other=-1, cache_modifier=".cg")
+        tl.store(loc_to_slot_ptr + old64, tl.full([BLOCK_S], -1, tl.int32), mask=gone & (cur == sl))
         # needed slot at position p has p - erank[p] needed slots before it
         newpos = tl.where(ev, erank - Mt, (E - Mt) + (offs_s - erank))
         tl.debug_barrier()  # every lru read and victim write is done
@@ -171,9 +188,13 @@ def _plan_layer_kernel(
         tl.store(lru_ptr + st_row + (n - Mt) + mrank, v.to(tl.int16), mask=ok)
         tl.store(slot_loc_ptr + st_row + v, t, mask=ok)
         tl.store(loc_to_slot_ptr + t64, v, mask=rep)  # overflowed claims go back to -1
+        # A duplicate takes its winner's slot from this row's scratch, never from loc_to_slot
+        # (which another row may have rewritten since): vict_row by entry now, not by rank.
         tl.debug_barrier()
-        fslot = tl.load(loc_to_slot_ptr + t64, mask=miss, other=-1, cache_modifier=".cg")
-        fslot = tl.where(hit, slot, fslot)
+        tl.store(vict_row + offs_k, v, mask=rep)
+        tl.debug_barrier()
+        wslot = tl.load(vict_row + winner, mask=dup, other=-1, cache_modifier=".cg")
+        fslot = tl.where(hit, slot, tl.where(rep, v, wslot))
         phys = tl.load(ocls_ptr + r * ocls_stride + fslot, mask=fslot >= 0, other=-1)
         tl.store(row_out + offs_k, tl.where(is_tail, tail, phys), mask=kmask)
         host = tl.load(loc_to_host_ptr + t64, mask=ok, other=-1).to(tl.int64)

@@ -248,6 +248,8 @@ def init_offload(runner) -> None:
         forward_stream=getattr(runner, "forward_stream", None),
         tail_pages=tail_pages,
         verify_tokens=verify_tokens,
+        # The radix cache (upstream's default) shares prefix pages between requests' rows.
+        share_prefixes=not runner.server_args.disable_radix_cache,
     )
     metrics = None
     if get_observability().enable_metrics:
@@ -348,6 +350,13 @@ class KVOffloadRuntime(KVOffloadHooks):
                 # This step's output of the request is discarded and it ends with the error.
                 req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
 
+    def prepare_extend(self, batch) -> None:
+        # After alloc_for_extend: each row's [0, prefix_len) holds its prefix's logical locs.
+        rows = self.req_to_token_pool.req_to_token
+        prefixes = [rows[r.kv.req_pool_idx, : r.prefix_len] for r in batch.reqs if r.prefix_len]
+        if prefixes:
+            self.coordinator.restore_for_extend(prefixes)
+
     def can_stage_prefill(self, req, scheduled: Sequence) -> bool:
         # The token budget (available_size) counts logical tokens and host slots; this gate checks
         # the GPU KV rows: the whole rest of each prompt stages in GPU rows (chunks included) until
@@ -356,8 +365,13 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator = self.coordinator
         page = coordinator.page_size
         reqs = [req, *scheduled]
+        # With the radix cache a prefix may be cached pages on the host, read back into GPU rows
+        # for the prefill (prepare_extend): counted as staging (a chunked prompt's own earlier
+        # chunks, already in GPU rows, then count twice: conservative).
+        shared = coordinator.share_prefixes
         staging = sum(
-            ceil_align(len(r.full_untruncated_fill_ids) - r.prefix_len, page) for r in reqs
+            ceil_align(len(r.full_untruncated_fill_ids) - (0 if shared else r.prefix_len), page)
+            for r in reqs
         )
         promised = coordinator.reservations
         unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
@@ -372,15 +386,16 @@ class KVOffloadRuntime(KVOffloadHooks):
         coordinator.stats["prefill_waits"] += 1
         return False
 
-    def release_request(self, req_pool_idx: Optional[int]) -> None:
+    def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         # The logical locs are freed next by upstream's path through the kv offload allocator,
         # which also returns their physical rows and host slots.
         if req_pool_idx is None:
             return
         self._host_prealloc.discard(req_pool_idx)
-        self.coordinator.release(req_pool_idx)
+        self.coordinator.release(req_pool_idx, kv_len=kv_len)
 
     def on_scheduler_iteration(self) -> None:
+        self.coordinator.release_restored()
         if self.metrics is not None and self.metrics.due():
             self.metrics.update(self.coordinator.offload_state())  # polls too
         else:

@@ -6,15 +6,19 @@ pool shared by all requests. Slot ``s`` of request ``r`` is the physical row
 
 Per layer ``l`` the state is
 
-* ``loc_to_slot[l, loc]`` (int32): local slot of logical loc ``loc`` in its request, -1 if not resident
-  (the seed's ``cpu_slot_to_gpu_slot``, keyed by logical loc);
+* ``loc_to_slot[l, loc]`` (int32): local slot of logical loc ``loc`` in the request that loaded it
+  last, -1 if none (the seed's ``cpu_slot_to_gpu_slot``, keyed by logical loc; a hint, see below);
 * ``slot_loc[l, r, s]`` (int32): logical loc held by slot ``s``, -1 if empty (``cache_ids_inverse``);
 * ``lru[l, r, :num_slots[r]]`` (int16): a dense permutation of the request's slots, least recently used
   first (replaces ``cache_ids``/``cache_lens``). The plan kernel keeps it dense, so the seed's
   per-step ``CompactCacheIdsBlock``/``ReorderOutCacheLocSparse`` passes do not exist here.
 
-Invariant (checked by :meth:`SparseCacheState.check_invariants`): ``loc_to_slot[l, x] == s >= 0`` iff
-``slot_loc[l, r, s] == x`` for the request ``r`` owning ``x``.
+``loc_to_slot`` is a hint: with the radix cache a prefix's locs are in several requests' rows, each
+request holding them in slots of its own, so the plan counts a hit only if ``slot_loc[l, r, s] == x``
+for ``s = loc_to_slot[l, x]`` (the slot of the request that loaded ``x`` last). Invariants (checked
+by :meth:`SparseCacheState.check_invariants`): every hint ``s >= 0`` names a slot holding ``x`` in
+some request; without shared locs, ``loc_to_slot[l, x] == s >= 0`` iff ``slot_loc[l, r, s] == x``
+for the request ``r`` owning ``x``.
 
 Admission, growth and release run between forward passes (scheduler side, eager, may sync); only the
 plan kernel (``lru_kernels.plan_layer``) runs inside the CUDA graph.
@@ -218,12 +222,18 @@ class SparseCacheState:
         if n == 0:
             return 0
         locs = self.slot_loc[:, r, :n].long()
-        # Empty slots hold -1; they clear the padding entry (the last, always -1) instead of being
-        # masked out, and index_fill_ takes no host value: no device sync.
+        # Empty slots hold -1; they name the padding entry (the last, always -1) instead of being
+        # masked out: no device sync. A loc's hint is cleared only where it names the slot that
+        # held it (a shared prefix's loc may be another request's hit); amin, because a request
+        # may hold a loc in two slots (see check_invariants) and only one of them is named.
         width = self.num_logical_locs
         locs = torch.where(locs < 0, width - 1, locs)
         layer_base = torch.arange(self.num_layers, device=self.device)[:, None] * width
-        self.loc_to_slot.view(-1).index_fill_(0, (layer_base + locs).reshape(-1), -1)
+        idx = (layer_base + locs).reshape(-1)
+        flat = self.loc_to_slot.view(-1)
+        cur = flat[idx]
+        mine = cur == torch.arange(n, dtype=cur.dtype, device=self.device).repeat(self.num_layers)
+        flat.scatter_reduce_(0, idx, torch.where(mine, -1, cur), reduce="amin")
         self.slot_loc[:, r, :n] = -1
         self.lru[:, r, :n] = 0
         rows = self.out_cache_loc_sparse[r, :n].to(torch.int64)
@@ -265,8 +275,15 @@ class SparseCacheState:
         meta = 4 * context_len * num_layers + 6 * slots * num_layers + 4 * slots + 4
         return meta / (row_bytes * context_len * num_layers)
 
-    def check_invariants(self) -> None:
-        """Slow full check of the state (tests and debugging); raises AssertionError."""
+    def check_invariants(self, exact_hints: bool = True) -> None:
+        """Slow full check of the state (tests and debugging); raises AssertionError.
+
+        Always: the LRU orders are permutations, no claim code is left, and every hint names a
+        slot that holds its loc in some request. ``exact_hints`` (no loc was ever in two
+        requests' ``req_to_token`` rows, i.e. no shared prefix): every held loc is held once and
+        its hint names its slot. With shared prefixes a request that lost a loc's hint to another
+        request loads it again, so it may hold it twice, and a held loc's hint may be -1.
+        """
         L = self.num_layers
         for r in range(self.max_reqs):
             n = self.num_slots_cpu[r]
@@ -281,12 +298,15 @@ class SparseCacheState:
                     torch.sort(order).values, torch.arange(n, device=self.device)
                 ), f"lru of req {r} layer {layer} is not a permutation"
             assert bool((self.slot_loc[:, r, n:] == -1).all())
-        # Map <-> inverse agreement, all layers at once.
         for layer in range(L):
             m = self.loc_to_slot[layer]
             assert bool((m >= -1).all()), "transient claim left in loc_to_slot"
             resident = torch.nonzero(m >= 0).flatten()
             sl = self.slot_loc[layer]
+            named = sl[:, m[resident].long()] == resident.to(torch.int32)[None, :]
+            assert bool(named.any(dim=0).all()), f"layer {layer}: stale loc_to_slot hints"
+            if not exact_hints:
+                continue
             owners = []
             for r in range(self.max_reqs):
                 n = self.num_slots_cpu[r]
