@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
 import tiny_server  # noqa: E402
 from _real_server import (  # noqa: E402
     MOONCAKE_RPC_PORTS,
+    START_TIMEOUT_S,
     TinyServer,
     free_port,
     release_port,
@@ -45,7 +46,6 @@ from _real_server import (  # noqa: E402
 )
 
 LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
-LB_START_TIMEOUT_S = 120
 
 
 def debian_lib_dir() -> str:
@@ -94,7 +94,9 @@ class MiniLB:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def wait_ready(self, timeout: float = LB_START_TIMEOUT_S) -> "MiniLB":
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "MiniLB":
+        # It imports sglang (tracing): seconds on an idle machine, minutes on two cores beside
+        # idle servers whose event loops poll.
         wait_healthy(self.url, self.proc, timeout, lambda: "mini load balancer")
         return self
 
@@ -151,15 +153,16 @@ class PDPair:
             self.log_dir / "decode.log",
             {**env, **(decode_env or {})},
         )
-        self.lb: Optional[MiniLB] = None
-        self._lb_port = lb_port
+        # Started with the servers (it probes neither until a request comes), so its start-up
+        # overlaps theirs.
+        self.lb = MiniLB(
+            self.prefill, self.bootstrap_port, self.decode, self.log_dir / "lb.log", lb_port
+        )
 
     def wait_ready(self) -> "PDPair":
         self.prefill.wait_ready()
         self.decode.wait_ready()
-        self.lb = MiniLB(
-            self.prefill, self.bootstrap_port, self.decode, self.log_dir / "lb.log", self._lb_port
-        ).wait_ready()
+        self.lb.wait_ready()
         return self
 
     @property
@@ -167,8 +170,7 @@ class PDPair:
         return self.lb.url
 
     def stop(self) -> None:
-        if self.lb is not None:
-            self.lb.stop()
+        self.lb.stop()
         self.decode.stop()
         self.prefill.stop()
         release_port(self.bootstrap_port)

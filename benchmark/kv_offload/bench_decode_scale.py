@@ -367,7 +367,7 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
         locs = ne.alloc_decode(st.alloc, st.r2t.req_to_token, reqs, cur)
         cur = [n + 1 for n in cur]
         st.r2t.req_to_token[rpi, torch.tensor(cur, device=dev) - 1] = locs.to(torch.int32)
-        st.coord.before_decode_step(reqs, cur)
+        st.coord.before_decode_step(reqs, cur, [n - 1 for n in cur])
         e1.record()
         if graph is not None:
             graph.replay()

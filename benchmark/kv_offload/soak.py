@@ -351,8 +351,20 @@ class PDTarget(Target):
     def servers(self) -> List[TinyServer]:
         return [self.pair.prefill, self.pair.decode]
 
+    def abort(self, rid: str) -> None:
+        """To both servers, as a PD router must: aborted at the decode server alone, a request
+        whose KV the prefill server has not sent yet may stay there until upstream's waiting
+        timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s), and the mini load balancer
+        answers only when both servers have (the likely cause of the one abort left unanswered
+        for 300 s in the 1-hour soak at 37f8ad3, sent during a stalled transfer)."""
+        for server in self.servers():
+            try:
+                server.abort(rid)
+            except requests.RequestException:
+                pass  # that server is down (a fault)
+
     def procs(self) -> List[subprocess.Popen]:
-        return super().procs() + ([self.pair.lb.proc] if self.pair.lb else [])
+        return super().procs() + [self.pair.lb.proc]
 
     def start(self) -> None:
         self.pair.wait_ready()
@@ -424,28 +436,29 @@ class Traffic:
         """Send one request of a random kind and check its answer; returns its HTTP status."""
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         url, max_new = self.target.url, rng.randint(1, 24)
+        # Named, so that a failure can be found in the servers' and the load balancer's logs.
+        rid = f"soak-{uuid.uuid4().hex}"
         start = time.time()
         if kind == "generate":
-            status, out = post(url, body(self.prompt(rng, max_new), max_new))
+            status, out = post(url, body(self.prompt(rng, max_new), max_new, rid=rid))
         elif kind == "stream":
-            status, out = post(
-                url, {**body(self.prompt(rng, max_new), max_new), "stream": True}, True
-            )
+            payload = body(self.prompt(rng, max_new), max_new, rid=rid, stream=True)
+            status, out = post(url, payload, True)
         elif kind == "abort":
-            rid = f"soak-{uuid.uuid4().hex}"
             timer = threading.Timer(rng.uniform(0.1, 4), self.target.abort, (rid,))
             timer.start()
             status, out = post(url, body(self.prompt(rng, max_new), max_new, rid=rid))
             timer.join()
         elif kind == "disconnect":
-            payload = body(self.prompt(rng, max_new), max_new)
+            payload = body(self.prompt(rng, max_new), max_new, rid=rid)
             if rng.random() < 0.5:
                 status, out = post(url, {**payload, "stream": True}, True, chunks=rng.randint(1, 4))
             else:
                 status, out = post(url, payload, timeout=rng.uniform(0.2, 3))
         elif kind == "burst":
+            prompts = [self.prompt(rng, max_new) for _ in range(BURST)]
             status, out = post(
-                url, body([self.prompt(rng, max_new) for _ in range(BURST)], max_new)
+                url, body(prompts, max_new, rid=[f"{rid}-{i}" for i in range(BURST)])
             )
         elif kind == "malformed":
             status, out = post(url, malformed(rng, self.target.empty_ids))
@@ -455,10 +468,14 @@ class Traffic:
                 n, max_new = n + self.target.context - 1, 4
             else:
                 max_new = self.target.context - n + rng.randint(1, 200)
-            status, out = post(url, body([rng.randrange(2, 500) for _ in range(n)], max_new))
-        fault = self.tally.fault_during(start, time.time())
+            ids = [rng.randrange(2, 500) for _ in range(n)]
+            status, out = post(url, body(ids, max_new, rid=rid))
+        end = time.time()
+        fault = self.tally.fault_during(start, end)
         problem = response_problem(kind, status, out, max_new, fault)
-        self.tally.check("request_answered", [f"{kind}: {problem}"] if problem else [])
+        sent = time.strftime("%H:%M:%S", time.gmtime(start))
+        where = f"{rid} sent {sent} UTC, {end - start:.0f} s"
+        self.tally.check("request_answered", [f"{kind} ({where}): {problem}"] if problem else [])
         with self.tally.lock:
             if status == 200 and not error_message(out):
                 self.tally.served[kind] += 1

@@ -166,7 +166,8 @@ class Harness:
         reqs = [r for r in reqs if self.decode_token(r) or self.retire(r)]
         if not reqs:
             return
-        self.coord.before_decode_step(reqs, [self.seq_len(r) for r in reqs])
+        lens = [self.seq_len(r) for r in reqs]
+        self.coord.before_decode_step(reqs, lens, [n - 1 for n in lens])
         bs = len(reqs)
         rpi = torch.tensor(reqs, dtype=torch.int64, device=self.device)
         seq_lens = torch.tensor([self.seq_len(r) for r in reqs], device=self.device)
@@ -683,7 +684,7 @@ def test_gpu_scheduler_step_and_forward_side_never_sync_the_device():
         torch.cuda.set_sync_debug_mode("error")
         try:
             h.coord.poll()
-            assert not h.coord.before_decode_step(reqs, seq_lens)
+            assert not h.coord.before_decode_step(reqs, seq_lens, [n - 1 for n in seq_lens])
             h.adapter.num_real_reqs.fill_(bs)
             for layer in range(LAYERS):
                 h.adapter.swap_in_selected_pages(rpi, seq, topk, layer)

@@ -311,15 +311,15 @@ class KVOffloadCoordinator:
         self,
         req_pool_indices: Sequence[int],
         seq_lens: Sequence[int],
-        written_lens: Optional[Sequence[int]] = None,
+        written_lens: Sequence[int],
     ) -> List[Tuple[int, str]]:
         """Between forwards: complete finished backups, back up newly completed pages, grow slots.
 
         ``seq_lens`` are the lengths including the token about to be decoded (whose logical loc and
         tail row are already allocated, but whose KV the coming forward writes): only the
-        ``seq_len - 1`` written positions are backed up, so a page completed by that token waits for
-        the next step. ``written_lens`` overrides that count (speculative decoding: positions up to
-        ``seq_len`` are allocated ahead for draft tokens, and only committed ones are final).
+        written positions, ``written_lens`` (``seq_len - 1`` in plain decode; the committed tokens
+        under speculative decoding, whose draft positions up to ``seq_len`` are allocated ahead),
+        are backed up, so a page completed by the coming token waits for the next step.
 
         Returns ``(req_pool_idx, reason)`` for requests that must fail now rather than attend
         rows they could not be given: slots that could not grow with the context, or a plan error
@@ -339,8 +339,6 @@ class KVOffloadCoordinator:
             logger.error("kv_offload: %s; failing the %d running requests", reason, len(seq_lens))
             failed = [(int(r), reason) for r in req_pool_indices]
         reqs = []
-        if written_lens is None:
-            written_lens = [int(n) - 1 for n in seq_lens]
         for r, n, w in zip(req_pool_indices, seq_lens, written_lens):
             req = self.requests.get(int(r))
             if req is None:
@@ -499,12 +497,9 @@ class KVOffloadCoordinator:
         (docs/kv_offload_design.md, "Radix cache").
         """
         req.written_len = max(req.written_len, req.seq_len)
-        if req.has_slots:
-            self._start_backups([req])
-        else:  # backups need slots only for the plan's sake; this request plans no more
-            req.has_slots = True
-            self._start_backups([req])
-            req.has_slots = False
+        # Backups wait for slots only for the plan's sake; this request (popped) plans no more.
+        req.has_slots = True
+        self._start_backups([req])
         if req.own_pages is not None:
             # Unclaimed again, so that a later request with this prefix backs them up.
             self.allocator.loc_to_host.index_fill_(0, req.own_pages, -1)

@@ -62,10 +62,15 @@ def kv_bytes_per_physical_slot(row_bytes: int, num_layers: int) -> int:
 
 @dataclass(frozen=True)
 class OffloadPoolSizing:
+    """The GPU split, and the per-request decode shape it was sized for (tail pages promised
+    per request, tokens a verify step plans per request; see ``runtime.speculative_shape``)."""
+
     logical_tokens: int
     physical_slots: int
     index_bytes: int
     kv_bytes: int
+    tail_pages: int = 2
+    verify_tokens: int = 1
 
     @property
     def total_bytes(self) -> int:

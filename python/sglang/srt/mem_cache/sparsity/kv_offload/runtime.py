@@ -13,6 +13,7 @@ requests, so its host pool and its backup agreement span its attention-TP group 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from http import HTTPStatus
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -157,6 +158,7 @@ def build_device_pool(
         index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
         draft_bytes_per_token=_draft_bytes_per_token(model_config, row + index_row),
     )
+    sizing = dataclasses.replace(sizing, tail_pages=tail_pages, verify_tokens=verify_tokens)
     return KVOffloadDSATokenToKVPool(
         physical_size=sizing.physical_slots,
         logical_size=sizing.logical_tokens,
@@ -234,7 +236,6 @@ def init_offload(runner) -> None:
         allocator=allocator.hisparse_attn_allocator,
         device=runner.device,
     )
-    verify_tokens, tail_pages = speculative_shape(pool.page_size)
     graph_max_bs = get_exec().graph.cuda_graph_config.decode.max_bs or 0
     max_bs = max(graph_max_bs, runner.req_to_token_pool.size)
     coordinator = KVOffloadCoordinator(
@@ -246,8 +247,8 @@ def init_offload(runner) -> None:
         pd_direct_to_host=config.pd_direct_to_host,
         status_log_interval=config.status_log_interval,
         forward_stream=getattr(runner, "forward_stream", None),
-        tail_pages=tail_pages,
-        verify_tokens=verify_tokens,
+        tail_pages=pool.sizing.tail_pages,
+        verify_tokens=pool.sizing.verify_tokens,
         # The radix cache (upstream's default) shares prefix pages between requests' rows.
         share_prefixes=not runner.server_args.disable_radix_cache,
     )
