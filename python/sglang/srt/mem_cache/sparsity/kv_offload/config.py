@@ -325,8 +325,8 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         "enable_unified_memory": "--enable-unified-memory (the split pool sizes GPU memory "
         "itself)",
         "disaggregation_decode_enable_radix_cache": "--disaggregation-decode-enable-radix-cache "
-        "(a PD decode server's prefix cache is not wired to kv offload's host pool yet: the "
-        "co-located server's radix cache is)",
+        "(with a cached prefix the prefill sends only the suffix, but kv offload's PD "
+        "pre-allocation still allocates the whole prompt; the co-located radix cache works)",
         "enable_streaming_session": "--enable-streaming-session (a session keeps a request's KV "
         "row for its next turn; offloaded KV is released with the request)",
     }
