@@ -468,7 +468,9 @@ def test_admit_from_host_refuses_a_prompt_that_is_not_on_the_host():
     locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), 100)  # GPU rows, no host
     h.r2t.req_to_token[0, :100] = locs.to(torch.int32)
     before = h.alloc.free_counts()
-    with pytest.raises(RuntimeError, match="100 of 100 prompt positions without a host slot"):
+    with pytest.raises(
+        RuntimeError, match="100 of 100 transferred prompt positions without a host slot"
+    ):
         h.coord.admit_from_host(0, 100)
     assert h.alloc.free_counts() == before and not h.coord.requests
     h.alloc.free(locs)
@@ -817,3 +819,60 @@ def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_h
     assert h.alloc.free_counts() == h.start
     h.sparse.check_invariants(exact_hints=False)
     assert bool((h.sparse.loc_to_slot == -1).all())
+
+
+def test_direct_to_host_admission_after_a_cached_prefix():
+    """PD decode radix cache with ``pd_direct_to_host``: request B's row starts with two cached
+    prefix pages, one backed up by request A (host only) and one the tree kept in GPU rows with no
+    backup (the host pool was full when its request ended); the transferred rest is in host pages.
+    Admission checks host slots for the transferred positions only, shares A's page, claims and
+    backs up the GPU-only page, and B decodes on the right rows throughout."""
+    h = Harness(physical_pages=20, share_prefixes=True)
+    gen = torch.Generator().manual_seed(5)
+
+    def draw(n):
+        return torch.randint(0, n, (min(TOPK, n),), generator=gen).tolist()
+
+    assert h.admit(100)
+    (a,) = h.kv
+    h.step([a], draw)
+    h.coord.drain()
+    shared = h.r2t.req_to_token[a, :P].long()
+    assert bool((h.alloc.loc_to_host[shared] >= 0).all())
+    # the tree's page in GPU rows, never backed up
+    d = h.device
+    z, seq = torch.zeros(1, dtype=torch.int64), torch.tensor([P])
+    kept = h.alloc.alloc_extend(z.to(d), z, seq.to(d), seq, torch.full((1,), -1, device=d), P)
+    kept_rows = [h.rand_rows(P) for _ in range(LAYERS)]
+    h.write_rows(kept, kept_rows)
+    # B: the two prefix pages, then 65 transferred tokens in host pages
+    b = h.free_reqs.pop()
+    n, prefix = 2 * P + 65, 2 * P
+    h.r2t.req_to_token[b, :P] = shared.to(torch.int32)
+    h.r2t.req_to_token[b, P:prefix] = kept.to(torch.int32)
+    rest = h.alloc.alloc_extend_to_host(n - prefix)
+    h.r2t.req_to_token[b, prefix:n] = rest.to(torch.int32)
+    host = h.alloc.loc_to_host[rest].cpu()
+    rest_rows = [h.rand_rows(n - prefix) for _ in range(LAYERS)]
+    for layer in range(LAYERS):
+        h.host.host_row_view(layer)[host] = rest_rows[layer].cpu()
+    h.kv[b] = [
+        torch.cat([h.kv[a][layer][:P], kept_rows[layer], rest_rows[layer]])
+        for layer in range(LAYERS)
+    ]
+    backed = h.coord.stats["backup_tokens"]
+    h.coord.admit_from_host(b, n, prefix)
+    assert h.coord.stats["shared_prefix_tokens"] == P  # A's page; the kept page is B's to back up
+    h.coord.drain()
+    assert h.coord.stats["backup_tokens"] - backed == P
+    assert bool((h.alloc.loc_to_host[kept] >= 0).all())
+    assert bool((h.alloc.full_to_hisparse_device_index_mapping[kept] == 0).all())
+    for _ in range(4):
+        h.step([a, b], draw)
+    # the tree keeps B's prefix pages (host rows only); everything else ends
+    n_b = h.seq_len(b)
+    assert h.coord.release(b, kv_len=n_b)
+    h.alloc.free(h.r2t.req_to_token[b, prefix:n_b].long())
+    del h.kv[b]
+    h.alloc.free(kept)
+    h.finish_all()

@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import pytest
 import requests
 from _real_server import TinyServer, started, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from tiny_pd import PDPair  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -206,3 +211,97 @@ def test_flush_cache_returns_every_free_count(on):
     state = on["after_flush"]
     assert state["free"] == state["initial_free"], state
     assert state["error_flags"] == 0
+
+
+# ---------------------------------------------------------------------- PD decode radix cache
+# ``--disaggregation-decode-enable-radix-cache``: the decode server matches each prompt against
+# its own tree and the prefill server sends only the rest. Pairs run one after the other (flag off,
+# flag on with the prompt staged in GPU rows, flag on with ``pd_direct_to_host``), each request
+# alone, so every pair runs the same batches.
+PD_DECODE = ["--disaggregation-decode-enable-radix-cache"]
+
+
+def pd_workload(pair: PDPair, on: bool) -> Dict:
+    outs: List[Tuple[List[int], Dict]] = []
+    checks: List[Tuple] = []
+    decode = pair.decode
+
+    def run(prompt: List[int]) -> None:
+        out = decode_generate(pair.url, prompt)
+        outs.append((prompt, out))
+        if on:
+            wait_until(lambda: decode.offload_state()["requests"] == 0, "requests released", 60)
+            state = decode.offload_state()
+            free, start = state["free"], state["initial_free"]
+            used = tuple(start[k] - free[k] for k in ("host", "logical", "physical"))
+            checks.append((len(outs), *used, tree_tokens(outs)))
+
+    turn = text(200, 0)
+    for k in range(3):
+        run(turn)
+        turn = turn + outs[-1][1]["output_ids"] + text(70, 100 + k)
+    for q in QUESTIONS[:3]:
+        run(DOC + q)
+    result = {"outs": outs, "checks": checks}
+    if on:
+        result["before_flush"] = decode.offload_state()
+        r = requests.post(decode.url + "/flush_cache", timeout=60)
+        assert r.status_code == 200, r.text
+        result["after_flush"] = decode.wait_no_leak()
+    return result
+
+
+def decode_generate(url: str, prompt: List[int]) -> Dict:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+    }
+    out = requests.post(url + "/generate", json=body, timeout=600).json()
+    assert "output_ids" in out, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def pd_runs(tmp_path_factory) -> Dict[str, Dict]:
+    logs = tmp_path_factory.mktemp("pd_radix")
+    common = [a for a in COMMON if a != "--tiny-radix-cache"]  # the prefill side keeps none
+    runs = {}
+    for name, extra in (
+        ("off", []),
+        ("staged", OFFLOAD),
+        (
+            "direct",
+            OFFLOAD[:-1] + [json.dumps({"sparse_slots_per_req": SLOTS, "pd_direct_to_host": True})],
+        ),
+    ):
+        pair = PDPair(common, PD_DECODE + extra, logs / name)
+        with started(pair):
+            runs[name] = pd_workload(pair, on=name != "off")
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_pd_decode_prefix_cache_tokens_and_cached_tokens_equal_flag_off(pd_runs, mode):
+    off, on = pd_runs["off"], pd_runs[mode]
+    for i, ((p, a), (_, b)) in enumerate(zip(off["outs"], on["outs"])):
+        assert a["output_ids"] == b["output_ids"], f"{mode}: request {i} ({len(p)} tokens) differs"
+        assert a["meta_info"]["cached_tokens"] == b["meta_info"]["cached_tokens"], (mode, i)
+    cached = [o["meta_info"]["cached_tokens"] for _, o in on["outs"]]
+    # turns 2 and 3 reuse the previous turn; the first question caches the document, the others
+    # reuse it
+    assert cached[0] == cached[3] == 0 and cached[1] > 0 and cached[2] > 0, cached
+    assert all(c >= len(DOC) // PAGE * PAGE for c in cached[4:]), cached
+    state = on["before_flush"]
+    # the decode side's prefix hits are exactly what upstream reports as cached
+    assert state["shared_prefix_tokens"] == sum(cached), (state, cached)
+    if mode == "direct":
+        assert state["admitted_from_host"] == len(on["outs"]), state
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_pd_decode_prefix_pages_live_once_on_the_host_and_all_come_back(pd_runs, mode):
+    on = pd_runs[mode]
+    for n, host, logical, physical, tree in on["checks"]:
+        assert (host, logical, physical) == (tree, tree, 0), (mode, n, host, logical, physical)
+    state = on["after_flush"]
+    assert state["free"] == state["initial_free"] and state["error_flags"] == 0, state

@@ -324,9 +324,6 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         "enable_kv_cache_sharding": "--enable-kv-cache-sharding (sharded KV rows)",
         "enable_unified_memory": "--enable-unified-memory (the split pool sizes GPU memory "
         "itself)",
-        "disaggregation_decode_enable_radix_cache": "--disaggregation-decode-enable-radix-cache "
-        "(with a cached prefix the prefill sends only the suffix, but kv offload's PD "
-        "pre-allocation still allocates the whole prompt; the co-located radix cache works)",
         "enable_streaming_session": "--enable-streaming-session (a session keeps a request's KV "
         "row for its next turn; offloaded KV is released with the request)",
     }

@@ -221,18 +221,20 @@ class KVOffloadCoordinator:
             req.fail_reason = self._no_slots_reason(req)
         self._start_backups([req])
 
-    def _claim_prompt_pages(self, req: OffloadedRequest) -> bool:
-        """Radix cache: split the written prompt pages into those another request backs up (a
-        cached prefix: host slot set or claimed) and this request's own, which it claims.
+    def _claim_prompt_pages(self, req: OffloadedRequest, end: Optional[int] = None) -> bool:
+        """Radix cache: split the written prompt pages (those before ``end``, default all) into
+        those another request backs up (a cached prefix: host slot set or claimed) and this
+        request's own, which it claims.
 
         One small device read per admission. Returns whether some prefix page is on the host only.
         """
         page = self.page_size
         full = req.written_len // page * page
         req.backed_up_end = full
-        if full == 0:
+        end = full if end is None else end
+        if end == 0:
             return False
-        locs = self.req_to_token[req.req_pool_idx, :full].to(torch.int64)
+        locs = self.req_to_token[req.req_pool_idx, :end].to(torch.int64)
         firsts = locs[::page]
         host = self.allocator.loc_to_host[firsts].cpu()
         mine = host == -1
@@ -243,11 +245,13 @@ class KVOffloadCoordinator:
         self.stats["shared_prefix_tokens"] += int((~mine).sum()) * page
         return bool((host >= 0).any())
 
-    def admit_from_host(self, req_pool_idx: int, prompt_len: int) -> None:
+    def admit_from_host(self, req_pool_idx: int, prompt_len: int, prefix_len: int = 0) -> None:
         """Take over a PD request whose prompt KV the prefill side wrote into host pages.
 
-        Positions ``[0, prompt_len)`` have logical locs and host slots in ``loc_to_host`` (whole
-        pages, from ``alloc_extend_to_host``) and no physical row. Complete pages stay on the host
+        Positions ``[prefix_len, prompt_len)`` have logical locs and host slots in ``loc_to_host``
+        (whole pages, from ``alloc_extend_to_host``) and no physical row; the first ``prefix_len``
+        (whole pages of the decode server's radix cache) are the tree's, on the host or in GPU
+        rows, and pages of them without a backup are claimed as in :meth:`admit`. Complete pages stay on the host
         as they are: no backup runs. A partial last page (``prompt_len % page_size`` rows) becomes
         the GPU decode tail, exactly as after a staged admission: it gets a physical page, its
         prompt rows are loaded from the host on the current stream and the host page is returned
@@ -264,16 +268,16 @@ class KVOffloadCoordinator:
             raise RuntimeError(f"kv_offload: req_pool_idx {r} is already admitted")
         self._after_inflight_forward()
         self._start_serving()
-        n = int(prompt_len)
+        n, prefix = int(prompt_len), int(prefix_len)
         page = self.page_size
         full = n // page * page
         locs = self.req_to_token[r, :n].to(torch.int64)
         host = self.allocator.loc_to_host[locs].cpu()  # one small sync per admission
-        if n == 0 or bool((host < 0).any()):
+        if n == 0 or bool((host[prefix:] < 0).any()):
             raise RuntimeError(
-                f"kv_offload: req_pool_idx {r} has {int((host < 0).sum())} of {n} prompt positions "
-                "without a host slot; direct-to-host requests must be pre-allocated with "
-                "alloc_extend_to_host (runtime.pd_prealloc)"
+                f"kv_offload: req_pool_idx {r} has {int((host[prefix:] < 0).sum())} of "
+                f"{n - prefix} transferred prompt positions without a host slot; direct-to-host "
+                "requests must be pre-allocated with alloc_extend_to_host (runtime.pd_prealloc)"
             )
         if not self.sparse_cache.admit(r, n):
             raise RuntimeError(
@@ -302,10 +306,14 @@ class KVOffloadCoordinator:
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True
         )
+        if prefix:
+            self._claim_prompt_pages(req, prefix)
         self.requests[r] = req
         self.reservations.add(r)
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
+        if req.own_pages is not None:
+            self._start_backups([req])
 
     def before_decode_step(
         self,

@@ -409,15 +409,18 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return logical
 
     def alloc_prompt(self, num_tokens: int, to_host: bool) -> Optional[torch.Tensor]:
-        """PD pre-allocation for a new request's positions ``[0, num_tokens)``: whole logical
-        pages, and behind each either a physical page with the same in-page offsets (the transfer
-        lands in GPU rows) or, ``to_host``, a host page (:meth:`alloc_extend_to_host`). Returns the
-        logical locs (int64 on the device), or ``None`` with nothing taken when a pool is short."""
+        """PD pre-allocation for ``num_tokens`` prompt positions of a new request, starting at a
+        page boundary (position 0, or the end of a cached prefix): whole logical pages, and behind
+        each either a physical page with the same in-page offsets (the transfer lands in GPU rows)
+        or, ``to_host``, a host page (:meth:`alloc_extend_to_host`). Returns the logical locs
+        (int64 on the device), or ``None`` with nothing taken when a pool is short."""
         if to_host:
             return self.alloc_extend_to_host(num_tokens)
         page = self.page_size
         # One page more than the prompt's: its first decode token may open a new page.
         need = ceil_align(int(num_tokens), page)
+        if need == 0:  # the whole prompt is a cached prefix
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
         if need + page > min(self.logical_available_size(), self.physical_available_size()):
             return None
         logical = self.logical_attn_allocator.alloc(need)
@@ -426,7 +429,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return logical[:num_tokens]
 
     def alloc_extend_to_host(self, num_tokens: int) -> Optional[torch.Tensor]:
-        """PD direct-to-host pre-allocation for a new request's positions ``[0, num_tokens)``.
+        """PD direct-to-host pre-allocation for ``num_tokens`` positions from a page boundary.
 
         Takes logical locs (``req_to_token`` and the index buffer) and host pages, and records the
         host slot of every loc of each logical page in ``loc_to_host`` (the partial last page

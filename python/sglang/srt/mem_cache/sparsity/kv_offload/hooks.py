@@ -108,9 +108,10 @@ class KVOffloadHooks(abc.ABC):
         """``pop_preallocated`` / ``resume_retracted_reqs``, before ``_pre_alloc``."""
 
     @abc.abstractmethod
-    def pd_prealloc(self, req: "Req", fill_len: int) -> Optional[torch.Tensor]:
-        """``DecodePreallocQueue._alloc_for_decode_prealloc``: logical locs for ``fill_len``
-        tokens (sets ``req.kv.kv_allocated_len``), or None."""
+    def pd_prealloc(self, req: "Req", fill_len: int, prefix_len: int) -> Optional[torch.Tensor]:
+        """``DecodePreallocQueue._alloc_for_decode_prealloc``: logical locs for positions
+        ``[prefix_len, fill_len)`` (the first ``prefix_len``, whole pages, are the decode radix
+        cache's; sets ``req.kv.kv_allocated_len``), or None."""
 
     @abc.abstractmethod
     def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:

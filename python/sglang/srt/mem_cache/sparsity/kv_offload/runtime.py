@@ -250,7 +250,7 @@ def init_offload(runner) -> None:
         tail_pages=pool.sizing.tail_pages,
         verify_tokens=pool.sizing.verify_tokens,
         # The radix cache (upstream's default) shares prefix pages between requests' rows.
-        share_prefixes=not runner.server_args.disable_radix_cache,
+        share_prefixes=not get_memory().disable_radix_cache,
     )
     metrics = None
     if get_observability().enable_metrics:
@@ -427,9 +427,16 @@ class KVOffloadRuntime(KVOffloadHooks):
         staging = ceil_align(fill_len, page) if self._stages_on_gpu(req) else 0
         return self.coordinator.can_reserve(staging)
 
-    def pd_prealloc(self, req, fill_len: int) -> Optional[torch.Tensor]:
+    def pd_prealloc(self, req, fill_len: int, prefix_len: int) -> Optional[torch.Tensor]:
+        # The prefix (``--disaggregation-decode-enable-radix-cache``) is the tree's; the prefill
+        # side sends only the rest.
+        if prefix_len % self.coordinator.page_size:
+            raise ValueError(
+                f"kv_offload: a cached prefix of {prefix_len} tokens is not whole pages of "
+                f"{self.coordinator.page_size}"
+            )
         to_host = not self._stages_on_gpu(req)
-        locs = self.allocator.alloc_prompt(fill_len, to_host=to_host)
+        locs = self.allocator.alloc_prompt(fill_len - prefix_len, to_host=to_host)
         if locs is not None:
             req.kv.kv_allocated_len = fill_len
             self.coordinator.reserve(req.kv.req_pool_idx)
@@ -453,4 +460,4 @@ class KVOffloadRuntime(KVOffloadHooks):
             r = req.kv.req_pool_idx
             if r in self._host_prealloc:
                 self._host_prealloc.discard(r)
-                self.coordinator.admit_from_host(r, req.kv.kv_allocated_len)
+                self.coordinator.admit_from_host(r, req.kv.kv_allocated_len, req.prefix_len)
