@@ -353,8 +353,8 @@ class PDTarget(Target):
 
     def abort(self, rid: str) -> None:
         """To both servers, as a PD router must: aborted at the decode server alone, a request
-        whose KV the prefill server has not sent yet may stay there until upstream's waiting
-        timeout (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s), and the mini load balancer
+        the decode server has not sent its KV indices yet may wait at the prefill server for upstream's
+        bootstrap timeout (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 s), and the mini load balancer
         answers only when both servers have (the likely cause of the one abort left unanswered
         for 300 s in the 1-hour soak at 37f8ad3, sent during a stalled transfer)."""
         for server in self.servers():
