@@ -750,6 +750,12 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     h.finish_all()
 
 
+def _uniform_drawer(seed: int):
+    """Top-k positions drawn uniformly from a request's context (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(0, n, (min(TOPK, n),), generator=gen).tolist()
+
+
 def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_host():
     """The radix cache's path, driven by hand: request B's row starts with request A's first two
     pages (a cached prefix). B's prefill reads them back from the host (restore_for_extend), B's
@@ -757,11 +763,7 @@ def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_h
     tree keeps host rows only), B still reads the prefix from the host; after both and the tree's
     eviction every free count is back at start."""
     h = Harness(physical_pages=20, share_prefixes=True)
-    gen = torch.Generator().manual_seed(3)
-
-    def draw(n):
-        return torch.randint(0, n, (min(TOPK, n),), generator=gen).tolist()
-
+    draw = _uniform_drawer(3)
     assert h.admit(200)
     (a,) = h.kv
     for _ in range(3):
@@ -828,11 +830,7 @@ def test_direct_to_host_admission_after_a_cached_prefix():
     Admission checks host slots for the transferred positions only, shares A's page, claims and
     backs up the GPU-only page, and B decodes on the right rows throughout."""
     h = Harness(physical_pages=20, share_prefixes=True)
-    gen = torch.Generator().manual_seed(5)
-
-    def draw(n):
-        return torch.randint(0, n, (min(TOPK, n),), generator=gen).tolist()
-
+    draw = _uniform_drawer(5)
     assert h.admit(100)
     (a,) = h.kv
     h.step([a], draw)

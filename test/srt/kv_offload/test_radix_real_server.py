@@ -137,7 +137,11 @@ def workload(server: TinyServer, on: bool) -> Dict:
         wait_until(lambda: server.offload_state()["requests"] == 0, "requests released", 60)
         host, logical, physical = used(server.offload_state())
         checks.append(("abort", host, logical, physical, None))
-    result = {"outs": outs, "checks": checks}
+    return flushed(server, {"outs": outs, "checks": checks}, on)
+
+
+def flushed(server: TinyServer, result: Dict, on: bool) -> Dict:
+    """``result`` with, flag on, the offload state before and after ``POST /flush_cache``."""
     if on:
         result["before_flush"] = server.offload_state()
         r = requests.post(server.url + "/flush_cache", timeout=60)
@@ -242,13 +246,7 @@ def pd_workload(pair: PDPair, on: bool) -> Dict:
         turn = turn + outs[-1][1]["output_ids"] + text(70, 100 + k)
     for q in QUESTIONS[:3]:
         run(DOC + q)
-    result = {"outs": outs, "checks": checks}
-    if on:
-        result["before_flush"] = decode.offload_state()
-        r = requests.post(decode.url + "/flush_cache", timeout=60)
-        assert r.status_code == 200, r.text
-        result["after_flush"] = decode.wait_no_leak()
-    return result
+    return flushed(decode, {"outs": outs, "checks": checks}, on)
 
 
 def decode_generate(url: str, prompt: List[int]) -> Dict:
