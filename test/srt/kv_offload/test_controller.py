@@ -27,10 +27,8 @@ class Tier:
     def __init__(self, row, physical, logical, host_ratio=1.0, layers=2, device="cpu"):
         dtype, _ = LAYOUTS[row]
         self.pool = offload_device_pool(physical, logical, layers, LAYOUTS[row], device)
-        self.alloc = KVOffloadTokenToKVPoolAllocator(
-            logical, physical, P, dtype, device, self.pool, need_sort=False
-        )
-        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=host_ratio)
+        self.alloc = KVOffloadTokenToKVPoolAllocator(P, dtype, device, self.pool, need_sort=False)
+        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=host_ratio, host_reserve_bytes=0)
         self.cc = KVOffloadCacheController(self.alloc, self.host, debug=True)
         self.r2t = ReqToTokenPool(
             size=8, max_context_len=logical, device=device, enable_memory_saver=False

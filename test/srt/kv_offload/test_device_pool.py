@@ -23,8 +23,8 @@ BF16 = (torch.bfloat16, 576)
 def make(layers=2, dtype_dim=FP8, physical=256, logical=1024, host_ratio=1.0):
     dtype, _ = dtype_dim
     pool = offload_device_pool(physical, logical, layers, dtype_dim)
-    alloc = KVOffloadTokenToKVPoolAllocator(logical, physical, P, dtype, "cpu", pool, False)
-    host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio)
+    alloc = KVOffloadTokenToKVPoolAllocator(P, dtype, "cpu", pool, False)
+    host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio, host_reserve_bytes=0)
     alloc.register_host_pool(host)
     return pool, alloc, host
 
