@@ -125,6 +125,17 @@ class ArenaLayout:
         """Allocatable physical pages when every unit is physical."""
         return self.physical_pages - 1
 
+    @property
+    def resident_tokens(self) -> int:
+        """The most tokens the arena holds with both a KV row and index keys (a workload of
+        requests that all stay on the GPU): ``u`` logical units and the rest physical, best ``u``."""
+        lp, pp = self.logical_pages_per_unit, self.unit_pages
+        best = max(
+            min(u * lp, self.fixed_physical_pages + (self.num_units - 1 - u) * pp)
+            for u in range(self.num_units)
+        )
+        return best * self.page_size
+
     def unit_of_physical(self, pages: np.ndarray) -> np.ndarray:
         return np.minimum(pages // self.unit_pages, self.num_units)  # num_units: the extra pages
 
@@ -196,6 +207,8 @@ class UnitArena:
         self.physical: Optional["ArenaPagedAllocator"] = None
         self.logical: Optional["ArenaPagedAllocator"] = None
         self.listeners: List[RelocationListener] = []
+        # Free pages each side must keep while the other is granted units (see ensure).
+        self._keep = {PHYSICAL: 0, LOGICAL: 0}
         self.stats = {"units_to_physical": 0, "units_to_logical": 0, "evacuated_pages": 0}
 
     # ------------------------------------------------------------------ page ids
@@ -271,6 +284,20 @@ class UnitArena:
         return len(give) * self.layout.logical_pages_per_unit >= extra
 
     # ------------------------------------------------------------------ moves
+    def ensure(self, logical_pages: int, physical_pages: int) -> bool:
+        """Grant units until the logical side holds ``logical_pages`` free pages and the physical
+        side ``physical_pages``, neither taking from the other what it must keep. False when the
+        arena cannot (some units may have changed hands; no page was allocated)."""
+        need = {
+            LOGICAL: logical_pages - self.logical.available_size() // self.layout.page_size,
+            PHYSICAL: physical_pages - self.physical.available_size() // self.layout.page_size,
+        }
+        self._keep = {LOGICAL: logical_pages, PHYSICAL: physical_pages}
+        try:
+            return all(need[kind] <= 0 or self.grant(kind, need[kind]) for kind in need)
+        finally:
+            self._keep = {PHYSICAL: 0, LOGICAL: 0}
+
     def grant(self, kind: int, pages: int) -> bool:
         """Give ``kind``'s allocator whole units holding at least ``pages`` more pages: free units
         first (the physical side the lowest, the logical side the highest), then units the other
@@ -309,6 +336,9 @@ class UnitArena:
         free = self.logical.all_free_pages().cpu().numpy()
         counts = np.bincount(self.layout.unit_of_logical(free), minlength=self.layout.num_units)
         empty = units[counts[units] == self.layout.logical_pages_per_unit]
+        # Keep what the logical side is being granted for (the lowest empty units go first).
+        spare = len(free) - self._keep[LOGICAL]
+        empty = empty[: max(0, spare // self.layout.logical_pages_per_unit)]
         if len(empty):
             self.logical.remove_pages(self.pages_of(LOGICAL, empty))
             self.owner[empty] = FREE
@@ -335,7 +365,8 @@ class UnitArena:
             used = np.setdiff1d(pages, free[in_unit], assume_unique=True)
             # Free pages outside every unit being emptied take the used ones.
             outside = ~np.isin(unit_of, chosen + [int(unit)])
-            if outside.sum() - sum(len(m) for m in moves_src) < len(used):
+            moved = sum(len(m) for m in moves_src) + len(used)
+            if outside.sum() < moved or outside.sum() - moved < self._keep[PHYSICAL]:
                 break
             chosen.append(int(unit))
             moves_src.append(used)

@@ -392,11 +392,8 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     # ------------------------------------------------------------------ allocation
     def _ensure(self, logical_pages: int, physical_pages: int) -> bool:
-        """Grant units so that both sides hold this many free pages (the logical side first: it
-        may move physical pages, the physical side may only take free or emptied units)."""
-        return self.logical_attn_allocator.ensure_free_pages(
-            logical_pages
-        ) and self.hisparse_attn_allocator.ensure_free_pages(physical_pages)
+        """Grant units so that both sides hold this many free pages at once."""
+        return self.arena.ensure(logical_pages, physical_pages)
 
     def alloc_decode(
         self,
