@@ -94,7 +94,10 @@ HISPARSE_DIR = Path(".gpu") / "sglang-0.5.23"
 # Members of the sglang wheel the GPU server never imports: the Rust extension modules are cp311
 # (the image runs Python 3.12; 0.5.23 loads them lazily, for its Rust server and gRPC only) and
 # multimodal_gen is the diffusion runtime.
-SGLANG_DROP = ("sglang/srt/rust_extensions/_", "sglang/multimodal_gen/")
+SGLANG_DROP = tuple(
+    f"sglang/srt/rust_extensions/{ext}.cpython-311-"
+    for ext in ("_bench", "_grpc", "_multimodal", "_server")
+) + ("sglang/multimodal_gen/",)
 
 
 class BundleError(RuntimeError):

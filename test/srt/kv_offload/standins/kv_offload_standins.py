@@ -735,7 +735,9 @@ def _patch_rope_variant(module) -> None:
         return apply(query), apply(key)
 
     module.DeepseekScalingRotaryEmbedding.forward_native = forward_native
-    if torch.cuda.is_available() and not production_kernels():  # G3: the JIT rope kernel (RotaryEmbedding.forward_cuda)
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G3: the JIT rope kernel (RotaryEmbedding.forward_cuda)
 
         def forward_cuda(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
             assert fused_set_kv_buffer_arg is None, "fused rope + KV store is not stood in"
@@ -789,12 +791,16 @@ def _patch_unquant(module) -> None:
 
 
 def _patch_clamp_position(module) -> None:
-    if torch.cuda.is_available() and not production_kernels():  # G6: pin the op to its torch path (upstream's documented pin)
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G6: pin the op to its torch path (upstream's documented pin)
         module._CLAMP_POSITION._forward_method = module._CLAMP_POSITION.forward_native
 
 
 def _patch_attention_utils(module) -> None:
-    if torch.cuda.is_available() and not production_kernels():  # G7: concat_mla_absorb_q_general's torch.cat branch
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G7: concat_mla_absorb_q_general's torch.cat branch
         module.concat_mla_absorb_q = lambda q_nope, q_rope: torch.cat([q_nope, q_rope], dim=-1)
 
 
