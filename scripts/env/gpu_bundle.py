@@ -193,7 +193,7 @@ def write_deepgemm_tarball(git_dir: Path, cutlass_wheel: Path, out: Path) -> Dic
     tmp.replace(out)
     manifest = {
         "deepgemm": {"repo": DEEPGEMM_REPO, "commit": DEEPGEMM_COMMIT, "paths": DEEPGEMM_PATHS},
-        "cutlass_headers": {"wheel": cutlass_wheel.name, "sha256": SGL_DEEP_GEMM.sha256},
+        "cutlass_headers": {"wheel": cutlass_wheel.name, "sha256": sha256_file(cutlass_wheel)},
         "files": files,
         "sha256": sha256_file(out),
     }
