@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Source from the repo root on the lent GPU machine (no network there):
-#   source scripts/gpu_env.sh production    # FlashMLA, DeepGEMM and 0.5.23's JIT kernels (default)
-#   source scripts/gpu_env.sh standins      # every binary kernel as its torch stand-in, as before
+#   source scripts/gpu_env.sh production    # FlashMLA, DeepGEMM and 0.5.23's JIT kernels
+#   source scripts/gpu_env.sh [standins]    # every binary kernel as its torch stand-in (the default,
+#                                           # what the journal's GPU figures so far ran)
 # Needs the carry folders that `bash scripts/env/fetch_gpu_wheels.sh` fills here (both git-ignored;
 # pass carry [".whl", ".gpu"] to the device run; `python3 scripts/env/gpu_bundle.py check` prints
 # their size against the 64 MiB a call takes):
@@ -16,7 +17,7 @@
 # host library against this torch (/tmp/kvo-deepgemm, about a minute; kept on a warm machine) and
 # leaves only the sgl_kernel import stand-in on the path (sglang-kernel, 356 MiB, cannot travel: its
 # norms, activations, sampling and MoE stay stand-ins, the same in every server compared).
-KVO_KERNELS="${1:-production}"
+KVO_KERNELS="${1:-standins}"
 if [ "$KVO_KERNELS" != production ] && [ "$KVO_KERNELS" != standins ]; then
   echo "gpu_env: kernels must be 'production' or 'standins', not '$KVO_KERNELS'" >&2
   return 1 2>/dev/null || exit 1

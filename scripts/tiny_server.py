@@ -251,6 +251,18 @@ def kernel_report(env: Dict[str, str]) -> Dict[str, object]:
     return {"kernels": kernels, "packages": packages}
 
 
+def add_kernels_argument(parser) -> None:
+    """The harnesses' ``--kernels`` option (an ``argparse`` parser's)."""
+    parser.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default=None,
+        help="GPU kernels: their torch stand-ins, or FlashMLA, DeepGEMM and 0.5.23's JIT kernels "
+        "with the fp8 KV cache (`source scripts/gpu_env.sh production` first); default: "
+        "KV_OFFLOAD_KERNELS as gpu_env.sh exported it, else standins",
+    )
+
+
 def merge_model_overrides(args: List[str], overrides: Dict[str, object]) -> List[str]:
     """``args`` with ``overrides`` under the last ``--json-model-override-args`` (its keys win), or
     with that flag added."""

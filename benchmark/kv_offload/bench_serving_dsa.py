@@ -336,14 +336,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "window, this fraction of the rest changing per step; the same in every server); 0: the "
         "raw random top-k",
     )
-    p.add_argument(
-        "--kernels",
-        choices=tiny_server.KERNELS,
-        default=None,
-        help="GPU kernels: their torch stand-ins, or FlashMLA, DeepGEMM and 0.5.23's JIT kernels "
-        "with the fp8 KV cache (`source scripts/gpu_env.sh production` first); default: "
-        "KV_OFFLOAD_KERNELS as gpu_env.sh exported it, else standins",
-    )
+    tiny_server.add_kernels_argument(p)
     p.add_argument("--profile-concurrency", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=570)

@@ -648,14 +648,7 @@ def main() -> None:
         "flag-on server's GPU staging rows at once, or it admits them in a different order",
     )
     p.add_argument("--no-preflight", action="store_true")
-    p.add_argument(
-        "--kernels",
-        choices=tiny_server.KERNELS,
-        default=None,
-        help="GPU kernels: their torch stand-ins, or FlashMLA, DeepGEMM and 0.5.23's JIT kernels "
-        "with the fp8 KV cache (`source scripts/gpu_env.sh production` first); default: "
-        "KV_OFFLOAD_KERNELS as gpu_env.sh exported it, else standins",
-    )
+    tiny_server.add_kernels_argument(p)
     p.add_argument("--only", choices=["off", "on"], default=None, help="run one side only")
     p.add_argument(
         "--race-delay-cycles",

@@ -239,11 +239,14 @@ def cmd_fetch(args: argparse.Namespace) -> None:
 def tree_bytes(root: Path) -> int:
     """Bytes of what a device call sends besides the carry: tracked and untracked-not-ignored files
     (0 outside a git checkout, e.g. on the GPU machine, where the call has already been made)."""
-    res = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        capture_output=True,
-    )
+    try:
+        res = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+        )
+    except OSError:  # no git
+        return 0
     if res.returncode != 0:
         return 0
     out = res.stdout
@@ -359,12 +362,14 @@ def build_deepgemm(tarball: Path, dest: Path, jobs: int) -> Path:
     build_dir = dest / "build"
     build_dir.mkdir(exist_ok=True)
     os.environ["MAX_JOBS"] = str(jobs)
+    # No .cu source, so no arch flag is used; torch derives one anyway and fails without a GPU.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     cuda = Path(cpp_extension.CUDA_HOME)
     includes = [dest / "deep_gemm" / "include", cuda / "include", cuda / "include" / "cccl"]
     built = cpp_extension.load(
         name="_C",
         sources=[str(dest / "csrc" / "python_api.cpp")],
-        extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
+        extra_cflags=["-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
         extra_include_paths=[str(p) for p in includes if p.exists()],
         extra_ldflags=[f"-L{cuda / 'lib64'}", "-lnvrtc", "-lcublasLt", "-lcublas"],
         build_directory=str(build_dir),

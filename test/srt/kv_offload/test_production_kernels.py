@@ -117,7 +117,7 @@ def test_fp8_rows_are_656_bytes_of_values_scales_and_rope():
 
 def test_reference_decode_reads_flat_token_indices():
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    pages, heads, topk, scale = 3, 2, 16, 0.07
+    pages, heads, topk, scale = 2, 2, 16, 0.07
     _, cache = make_kv_cache(pages, gen)
     indices = make_indices([topk, 5], topk, pages * PAGE, gen)
     indices[0, 0, 3] = -1  # a hole in the middle is no token either

@@ -112,12 +112,13 @@ already takes upstream's torch ``set_mla_kv_buffer_naive``, so C1 has no memory-
 On a CUDA machine without ``sgl_kernel`` (the lent GPU box) the server also needs ``cpu_stubs/``
 (``sgl_kernel`` import placeholders with ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``, the ``flash_mla``
 stub), ``gpu_stubs/`` (``flashinfer`` import placeholders) and upstream switches that select existing
-torch/Triton paths (``scripts/tiny_server.py``'s ``GPU_NO_KERNELS_ENV``, set by ``server_env``):
-``SGLANG_IS_FLASHINFER_AVAILABLE=0`` (torch sampling and norms), ``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (no
-DeepGEMM GEMMs or warm-up: the ``deep_gemm`` stand-in only has the indexer logits),
+torch/Triton paths (``scripts/tiny_server.py``'s ``GPU_NO_SGL_KERNEL_ENV`` and
+``GPU_STANDIN_KERNELS_ENV``, set by ``server_env``): ``SGLANG_IS_FLASHINFER_AVAILABLE=0`` (torch
+sampling and norms), ``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (no DeepGEMM GEMMs or warm-up: bf16 weights),
 ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0`` (no FA3 MHA prefill: sparse MLA prefill as on the
 CPU), ``SGLANG_OPT_USE_TOPK_V2=0`` (S5, not the JIT top-k v2), ``SGLANG_DISABLE_DSA_INDEXER_FUSION=1``
-(no JIT indexer q/k fusion) and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``. Upstream's Triton kernels
+(no JIT indexer q/k fusion) and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``; the top-k and fusion
+switches only with ``--kernels standins`` (see :func:`production_kernels`). Upstream's Triton kernels
 (MoE router, DSA decode metadata, KV and index-K writes, allocators, act_quant) run unchanged there.
 
 Batch invariance: the indexer logits and the sparse attention are computed in float64 and rounded
