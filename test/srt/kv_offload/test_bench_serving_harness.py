@@ -33,6 +33,8 @@ def test_harness_serves_every_request_on_both_servers():
         ]
     )  # fmt: skip
     assert out.exists() and report["summary"].keys() == {"off", "offload"}
+    assert report["kernels"]["kernels"] == "standins"
+    assert "cpustub" in report["kernels"]["packages"]["flash_mla"]["version"]
     for server in report["servers"]:
         assert server["ok"], server.get("error") or server.get("log_tail")
         assert server["max_total_num_tokens"] > 0
@@ -45,6 +47,8 @@ def test_harness_serves_every_request_on_both_servers():
         assert point["output_throughput"] > 0 and point["median_tpot_ms"] > 0
         # The server's decode log was read: the client's concurrency shows in the batches.
         assert 1 <= point["peak_running"] <= CONCURRENCY and point["decode_log_lines"] > 0
+        # The stand-ins' first-call trace was read: attention and indexer ran as stand-ins.
+        assert {"flash_mla_sparse_fwd", "fp8_paged_mqa_logits"} <= set(server["standins_called"])
     offload = report["servers"][1]
     end = offload["kv_offload_end"]
     assert end["admitted"] == end["released"] == PROMPTS + 1  # the client's warm-up request too
