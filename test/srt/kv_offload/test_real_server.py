@@ -54,12 +54,11 @@ COMMON = [
 SMALL_GPU = ["--max-total-tokens", "4096"]
 LARGE_GPU = ["--max-total-tokens", "16384"]
 # The pressure twins: a host pool of exactly PRESSURE_TOKENS tokens (the token budget of OFF_SMALL),
-# a context length above it (so a prompt can exceed the host pool) and a sparse pool large enough
+# a context length above it (so a prompt can exceed the host pool) and a GPU budget large enough
 # that the GPU-row gate never binds: admission and retraction then follow the host pool alone.
 PRESSURE_TOKENS = 1024
 PRESSURE_CONTEXT = 2048
 PRESSURE_HOST_GB = (PRESSURE_TOKENS * KV_ROW * LAYERS + 1024) / 1e9
-PRESSURE_SPARSE_POOL = RUNNING * (SLOTS + 2 * PAGE) + PRESSURE_CONTEXT
 
 
 def offload(**extra) -> List[str]:
@@ -85,21 +84,23 @@ ON_PRESSURE = (
     COMMON
     + context(PRESSURE_CONTEXT)
     + LARGE_GPU
-    + offload(host_pool_size_gb=PRESSURE_HOST_GB, sparse_pool_slots=PRESSURE_SPARSE_POOL)
+    + offload(host_pool_size_gb=PRESSURE_HOST_GB)
 )
 
 
-def expected_offload_token_budget(gpu_tokens: int) -> int:
+def expected_offload_token_budget(gpu_tokens: int, unit_pages: int) -> int:
     """The flag-on server's token budget, worked out here from the sizing rule of
     docs/kv_offload.md ("Sizing"): the GPU bytes the profiler grants at the flag-off cost per token
-    (KV + index row, every layer) pay first for the physical KV rows (per running request its
-    sparse slots and two tail pages, plus one context of prompt staging), and the rest for logical
-    tokens at the index row plus the LRU's 4 B location entry per layer. ON's host pool (ratio 1)
-    holds every logical token, so it does not cap the budget."""
-    budget = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS
-    physical = RUNNING * (SLOTS + 2 * PAGE) + CONTEXT
-    per_logical = (INDEX_ROW + 4) * LAYERS
-    return (budget - physical * KV_ROW * LAYERS) // per_logical // PAGE * PAGE
+    (KV + index row, every layer) become one arena per layer, less the LRU's 4 B per logical loc and
+    layer outside it: ``budget / (layers + 4 x layers / 132)`` bytes a layer, in whole KV pages, cut
+    into units of ``unit_pages`` KV pages (the server reports the unit it chose). Every unit but
+    the first can turn into index pages, as many as lie wholly inside every unit; the budget is
+    all of them. ON's host pool (ratio 1) holds every logical token, so it does not cap it."""
+    layer_bytes = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS / (LAYERS + 4 * LAYERS / INDEX_ROW)
+    units = int(layer_bytes) // (PAGE * KV_ROW) // unit_pages
+    unit, index_page = unit_pages * PAGE * KV_ROW, PAGE * INDEX_ROW
+    per_unit = min((k + 1) * unit // index_page - -(-k * unit // index_page) for k in range(units))
+    return (units - 1) * per_unit * PAGE
 
 
 def prompt(n: int, seed: int) -> List[int]:
@@ -289,9 +290,10 @@ def test_token_budget_with_the_same_gpu_budget(main_pair):
     worked out independently from the sizing rule (expected_offload_token_budget)."""
     off, on = main_pair
     capacity_on = on.server_info()["max_total_num_tokens"]
-    expected = expected_offload_token_budget(4096)
+    arena = on.offload_state()["arena"]
+    expected = expected_offload_token_budget(4096, arena["unit_pages"])
     print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
-    assert capacity_on == expected > 3 * 4096
+    assert capacity_on == expected > 0.9 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + 4)
     assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much
 
 
@@ -418,7 +420,7 @@ class TestTensorParallel:
         assert not leftover, f"shared host pool files left in /dev/shm: {leftover}"
 
 
-CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_pool_slots=SLOTS)
+CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_slots_per_req=8192)
 
 
 class TestSingleServers:
@@ -458,8 +460,11 @@ class TestSingleServers:
         assert out != ref
 
     def test_config_that_cannot_fit_fails_at_start_up(self, singles):
-        """A sparse pool too small to stage one prompt beside one request's slots: a clear
-        error."""
+        """More sparse slots per request than the whole GPU budget holds as KV rows: a clear error
+        naming the largest value that fits."""
         server = singles["cannot_fit"]
         assert server.proc.wait(300) != 0
-        assert "sparse_pool_slots=128 cannot stage a prompt" in server.log()
+        log = server.log()
+        assert "sparse_slots_per_req=8192 does not fit this GPU budget" in log
+        most = int(re.search(r"Use at most (\d+)", log).group(1))
+        assert 0 < most < 8192 and most % PAGE == 0

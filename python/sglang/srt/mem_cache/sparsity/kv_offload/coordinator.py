@@ -323,9 +323,8 @@ class KVOffloadCoordinator:
         if not self.sparse_cache.admit(r, n):
             raise RuntimeError(
                 f"kv_offload: no sparse slots for direct-to-host req_pool_idx {r} "
-                f"({self.allocator.physical_available_size()} physical rows free). Its prompt is "
-                "on the host only, so it cannot run without them; leave sparse_pool_slots at 0 "
-                "(auto) in --kv-offload-config or raise it"
+                "(the GPU budget is full). Its prompt is on the host only, so it cannot run "
+                "without them; pd_can_admit keeps their rows free, so this is a bug to report"
             )
         if n > full:
             physical = self.allocator.hisparse_attn_allocator.alloc(page)
@@ -333,8 +332,8 @@ class KVOffloadCoordinator:
                 self.sparse_cache.release(r)
                 raise RuntimeError(
                     f"kv_offload: no physical page for the decode tail of direct-to-host "
-                    f"req_pool_idx {r}; leave sparse_pool_slots at 0 (auto) in --kv-offload-config "
-                    "or raise it"
+                    f"req_pool_idx {r} (the GPU budget is full); pd_can_admit keeps its rows free, "
+                    "so this is a bug to report"
                 )
             tail_locs = locs[full:]
             tail_rows = physical[: n - full]
@@ -620,8 +619,7 @@ class KVOffloadCoordinator:
         return (
             f"kv offload could not grow the sparse slots of this request to "
             f"{self.sparse_cache.slots_for(req.seq_len)} rows at {req.seq_len} tokens "
-            f"({self.allocator.physical_available_size()} GPU KV rows free); raise "
-            "sparse_pool_slots (or leave it 0) in --kv-offload-config or lower "
+            "(the GPU budget is full); raise --mem-fraction-static or lower "
             "--max-running-requests"
         )
 
@@ -711,7 +709,7 @@ class KVOffloadCoordinator:
         req.has_slots = self.sparse_cache.admit(r, req.seq_len)
         logger.warning(
             "kv_offload: physical pool full; req %d backed up %d own rows synchronously to take "
-            "its %d sparse slots (granted: %s). Raise sparse_pool_slots or lower "
+            "its %d sparse slots (granted: %s). Raise --mem-fraction-static or lower "
             "--max-running-requests if this repeats",
             r,
             own,
