@@ -125,6 +125,12 @@ class ArenaLayout:
         """Allocatable physical pages when every unit is physical."""
         return self.physical_pages - 1
 
+    def holds(self, physical_pages: int, logical_pages: int) -> bool:
+        """Whether an empty arena holds that many physical and logical pages at once."""
+        extra = max(0, physical_pages - self.fixed_physical_pages)
+        units = -(-extra // self.unit_pages) + -(-logical_pages // self.logical_pages_per_unit)
+        return units <= self.num_units - 1
+
     @property
     def resident_tokens(self) -> int:
         """The most tokens the arena holds with both a KV row and index keys (a workload of

@@ -217,6 +217,14 @@ class KVOffloadCoordinator:
             logical += locs
         return self.allocator.fits(rows, logical)
 
+    def can_ever_stage(self, staging: int, locs: int, final_len: int) -> bool:
+        """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
+        page = self.page_size
+        held = -(-staging // page) * page if self.resident_len(final_len) else 0
+        rows = staging + max(0, self.promise_rows(final_len) - held)
+        layout = self.allocator.arena.layout
+        return layout.holds(-(-rows // page), -(-locs // page))
+
     def reserve(self, req_pool_idx: int, final_len: int, staged_len: int = 0) -> None:
         """Promise a request its rows (staged for a prefill or pre-allocated for a PD transfer,
         ``staged_len`` positions so far); :meth:`release` withdraws it."""

@@ -362,13 +362,25 @@ class KVOffloadRuntime(KVOffloadHooks):
         # for the prefill (prepare_extend): counted as staging (a chunked prompt's own earlier
         # chunks, already in GPU rows, then count twice: conservative).
         shared = coordinator.share_prefixes
+        promised = coordinator.reservations  # a chunked prompt part way: since its first chunk
+        new = [r for r in (req, *scheduled) if r.kv.req_pool_idx not in promised]
         prompts = []
-        for r in (req, *scheduled):
-            if r.kv.req_pool_idx is not None and r.kv.req_pool_idx in coordinator.reservations:
-                continue  # a chunked prompt part way: promised at its first chunk
+        for r in new:
             rest = len(r.full_untruncated_fill_ids) - r.prefix_len
             staging = rest + (r.prefix_len if shared else 0)
             prompts.append((ceil_align(staging, page), ceil_align(rest, page), self._final_len(r)))
+        if new and new[0] is req and not coordinator.can_ever_stage(*prompts[0]):
+            # It would wait for ever: the token budget (logical locs) admits longer prompts than
+            # the GPU can stage. Upstream's abort leaves a one-token prompt that prefills next
+            # round and ends with this error.
+            held = coordinator.allocator.arena.layout.resident_tokens
+            req.set_finish_with_abort(
+                f"kv offload: this prompt ({len(req.full_untruncated_fill_ids)} tokens, "
+                f"{self._final_len(req)} with its new tokens) needs more GPU KV rows at once than "
+                f"the whole GPU budget holds ({held} tokens kept on the GPU). Send a shorter "
+                "prompt or raise --mem-fraction-static."
+            )
+            return False
         if coordinator.can_stage(prompts):
             return True
         coordinator.stats["prefill_waits"] += 1
