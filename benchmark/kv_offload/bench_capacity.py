@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -97,50 +96,56 @@ def run_sizing(args) -> Dict:
     }
 
 
+def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
+    """One prompt length on the tiny servers, flag off then on (``bench_serving_dsa.py``)."""
+    import bench_serving_dsa
+
+    report = bench_serving_dsa.main(
+        [
+            "--model", "tiny", "--servers", "off,offload", "--out", str(out_dir / f"{prompt_len}.json"),
+            "--input-len", str(prompt_len), "--output-len", str(args.output_len),
+            "--concurrency", str(args.concurrency),
+            "--min-prompts", str(args.prompts), "--prompts-per-concurrency", "1",
+            "--max-running", str(args.max_running),
+            "--max-total-tokens", str(args.max_total_tokens),
+            "--chunked-prefill-size", str(args.chunked_prefill_size),
+            "--index-topk", str(args.topk),
+            "--offload-config", json.dumps({"sparse_slots_per_req": args.slots}),
+            "--deadline-s", str(args.point_deadline_s),
+        ]
+    )  # fmt: skip
+    row: Dict = {"prompt_len": prompt_len}
+    for server in report["servers"]:
+        point = (server["points"] or [{}])[0]
+        end = server.get("kv_offload_end") or {}
+        row[server["kind"]] = {
+            "started": "startup_s" in server,
+            "error": server.get("error") or point.get("error"),
+            "max_total_num_tokens": server.get("max_total_num_tokens"),
+            "completed": point.get("completed"),
+            "peak_running": point.get("peak_running"),
+            "mean_running": point.get("mean_running"),
+            "output_throughput": point.get("output_throughput"),
+            "leak_free": end.get("free") == end.get("initial_free") if end else None,
+            "resident_requests": end.get("resident"),
+            "prefill_waits": end.get("prefill_waits"),
+        }
+    return row
+
+
 def run_serve(args) -> Dict:
-    points: List[Dict] = []
-    for n in args.lengths:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "point.json"
-            cmd = [
-                sys.executable,
-                str(HERE / "bench_serving_dsa.py"),
-                "--model", "tiny", "--servers", "off,offload", "--out", str(out),
-                "--input-len", str(n), "--output-len", str(args.output_len),
-                "--concurrency", str(args.concurrency),
-                "--min-prompts", str(args.prompts), "--prompts-per-concurrency", "1",
-                "--max-running", str(args.max_running),
-                "--max-total-tokens", str(args.max_total_tokens),
-                "--chunked-prefill-size", str(args.chunked_prefill_size),
-                "--offload-config", json.dumps({"sparse_slots_per_req": args.slots}),
-                "--deadline-s", str(args.point_deadline_s),
-                "--", "--json-model-override-args", json.dumps({"index_topk": args.topk}),
-            ]  # fmt: skip
-            subprocess.run(cmd, check=True)
-            result = json.loads(out.read_text())
-        row = {"prompt_len": n}
-        for server in result["servers"]:
-            (point,) = server["points"] or [{}]
-            row[server["kind"]] = {
-                "started": "startup_s" in server,
-                "error": server.get("error") or point.get("error"),
-                "max_total_num_tokens": server.get("max_total_num_tokens"),
-                "completed": point.get("completed"),
-                "peak_running": point.get("peak_running"),
-                "mean_running": point.get("mean_running"),
-                "output_throughput": point.get("output_throughput"),
-            }
-        points.append(row)
+    out_dir = Path(tempfile.mkdtemp(prefix="kvcap-"))  # short: ZMQ ipc paths
     return {
         "mode": "serve",
         "model": "tiny DeepSeek-V3.2 (2 layers, bf16, CPU)",
         "max_total_tokens": args.max_total_tokens,
+        "max_running": args.max_running,
         "output_len": args.output_len,
         "concurrency": args.concurrency,
         "prompts": args.prompts,
         "sparse_slots_per_req": args.slots,
         "index_topk": args.topk,
-        "points": points,
+        "points": [serve_point(args, n, out_dir) for n in args.lengths],
     }
 
 
