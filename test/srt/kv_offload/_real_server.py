@@ -174,7 +174,10 @@ class TinyServer:
         # The dist (NCCL/gloo) port too: upstream would pick one itself, unreserved.
         self.nccl_port = free_port()
         ports = ["--port", str(self.port), "--nccl-port", str(self.nccl_port)]
-        self._cmd, self._env = tiny_server.build_command(self.args + ports)
+        # An idle scheduler waits on its sockets (1 s at most) instead of spinning a core: the
+        # suites run several servers side by side on a 2-core machine. Only when fully idle, so
+        # batches and pending PD transfers run as without it.
+        self._cmd, self._env = tiny_server.build_command(self.args + ports + ["--sleep-on-idle"])
         # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
         self._env.setdefault("OMP_NUM_THREADS", "1")
         # ``/health`` answers without running a one-token generation: a poll that times out on a
