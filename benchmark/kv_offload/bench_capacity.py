@@ -104,6 +104,7 @@ def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
         [
             "--model", "tiny", "--servers", "off,offload", "--out", str(out_dir / f"{prompt_len}.json"),
             "--input-len", str(prompt_len), "--output-len", str(args.output_len),
+            "--random-range-ratio", str(args.range_ratio),
             "--concurrency", str(args.concurrency),
             "--min-prompts", str(args.prompts), "--prompts-per-concurrency", "1",
             "--max-running", str(args.max_running),
@@ -141,6 +142,7 @@ def run_serve(args) -> Dict:
         "max_total_tokens": args.max_total_tokens,
         "max_running": args.max_running,
         "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
         "concurrency": args.concurrency,
         "prompts": args.prompts,
         "sparse_slots_per_req": args.slots,
@@ -160,6 +162,12 @@ def main() -> None:
     v = sub.add_parser("serve")
     v.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[128, 256, 512, 1024, 2048, 4096])
     v.add_argument("--output-len", type=int, default=32)
+    v.add_argument(
+        "--range-ratio",
+        type=float,
+        default=1.0,
+        help="prompt and output lengths uniform in [ratio x len, len] (a mixed workload); 1: fixed",
+    )
     v.add_argument("--concurrency", type=int, default=32)
     v.add_argument("--prompts", type=int, default=64)
     v.add_argument("--max-running", type=int, default=48)

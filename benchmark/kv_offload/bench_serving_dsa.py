@@ -132,7 +132,7 @@ def bench_serving_cmd(
         "--tokenizer", tokenizer,
         "--dataset-name", "random-ids", "--tokenize-prompt",
         "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-        "--random-range-ratio", "1.0",
+        "--random-range-ratio", str(a.random_range_ratio),
         "--num-prompts", str(num), "--max-concurrency", str(conc),
         "--seed", str(a.seed), "--output-file", str(out_file),
         "--warmup-requests", "1", "--disable-tqdm",
@@ -311,6 +311,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--index-topk", type=int, default=0, help="0: the model's (2048)")
     p.add_argument("--input-len", type=int, default=32768)
     p.add_argument("--output-len", type=int, default=2048)
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="bench_serving's: lengths uniform in [ratio x len, len]; 1: fixed lengths",
+    )
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=4)

@@ -27,6 +27,7 @@ def _capacity_point(prompt_len, **over):
     """One ``bench_capacity.py serve`` point: both servers started, every request served."""
     args = bench_capacity.argparse.Namespace(
         output_len=32,
+        range_ratio=1.0,
         concurrency=32,
         prompts=64,
         max_running=48,
