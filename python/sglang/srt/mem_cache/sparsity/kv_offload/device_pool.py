@@ -214,6 +214,19 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         ]
         return cache
 
+    def get_contiguous_buf_infos(self):
+        """PD transfer registration of the KV rows: the whole arena of each layer (see
+        :meth:`get_state_buf_infos`)."""
+        ptrs, _, item_lens = super().get_contiguous_buf_infos()
+        return ptrs, [arena.nbytes for arena in self.arenas], item_lens
+
+    def get_state_buf_infos(self):
+        """PD transfer registration of the index pages: the whole arena of each layer too. Both
+        views start at the arena, and a transfer engine that keys registered memory by its
+        address keeps one of the two: registered alike, either one covers both."""
+        ptrs, _, item_lens = super().get_state_buf_infos()
+        return ptrs, [arena.nbytes for arena in self.arenas], item_lens
+
     @property
     def row_bytes(self) -> int:
         return self.bytes_per_token
