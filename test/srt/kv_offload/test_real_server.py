@@ -422,6 +422,9 @@ class TestTensorParallel:
 
 
 CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_slots_per_req=8192)
+# A context length above what the GPU budget can stage at once (upstream starts such a server and
+# caps a request at its token budget; with the flag that budget counts index keys, ~8x larger).
+LONG_CONTEXT = COMMON + context(8192) + ["--max-total-tokens", "2048"] + offload()
 
 
 class TestSingleServers:
@@ -435,6 +438,7 @@ class TestSingleServers:
             "no_overlap": TinyServer(ON + ["--disable-overlap-schedule"], logs / "no_overlap.log"),
             "corrupt": TinyServer(ON, logs / "corrupt.log", corrupt),
             "cannot_fit": TinyServer(CANNOT_FIT, logs / "cannot_fit.log"),
+            "long_context": TinyServer(LONG_CONTEXT, logs / "long_context.log"),
         }
         try:
             yield servers
@@ -469,3 +473,15 @@ class TestSingleServers:
         assert "sparse_slots_per_req=8192 does not fit this GPU budget" in log
         most = int(re.search(r"Use at most (\d+)", log).group(1))
         assert 0 < most < 8192 and most % PAGE == 0
+
+
+    def test_prompt_longer_than_the_gpu_can_stage_ends_with_an_error(self, singles):
+        """The token budget (index keys) admits a prompt the arena cannot stage in GPU rows: it
+        ends at once with an error naming the limit instead of waiting for ever; the server
+        serves on and nothing leaks."""
+        server = singles["long_context"].wait_ready()
+        assert server.server_info()["max_total_num_tokens"] > 4000
+        out = server.generate(prompt(3500, 800), 8)
+        assert "needs more GPU KV rows at once than the whole GPU budget holds" in json.dumps(out)
+        assert len(tokens(server.generate(prompt(300, 801), 4))[0]) == 4
+        server.wait_no_leak()
