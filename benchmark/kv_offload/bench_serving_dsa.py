@@ -43,12 +43,14 @@ import sys
 import time
 import urllib.error
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_common import results_json  # noqa: E402
 from tiny_server_gpu import Server, http, machine_info, parse_log  # noqa: E402
+
+import tiny_server  # noqa: E402  (scripts/, on the path through tiny_server_gpu)
 
 # DeepSeek-V3.2's attention and indexer shapes (config.json of deepseek-ai/DeepSeek-V3.2-Exp).
 DSV32_SHAPES: Dict[str, Any] = {
@@ -91,10 +93,14 @@ def topk_of(a: argparse.Namespace) -> int:
     return model_overrides(a).get("index_topk", 2048)
 
 
-def server_args(kind: str, a: argparse.Namespace) -> List[str]:
-    """The launch flags of one server; everything but the offload flags is the same for all."""
+def server_args(kind: str, a: argparse.Namespace, radix_cache: bool = False) -> List[str]:
+    """The launch flags of one server; everything but the offload flags is the same for all.
+
+    ``radix_cache`` keeps upstream's prefix cache on (``tiny_server.RADIX_FLAG``) for every kind
+    but HiSparse, which 0.5.23 runs only without it.
+    """
     args = [
-        "--context-length", str(a.input_len + a.output_len + 64),
+        "--context-length", str(a.context_length),
         "--mem-fraction-static", str(a.mem_fraction_static),
         "--max-running-requests", str(a.max_running),
         "--cuda-graph-max-bs-decode", str(a.max_running),
@@ -114,6 +120,8 @@ def server_args(kind: str, a: argparse.Namespace) -> List[str]:
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(cfg)]
     elif kind != "off":
         raise ValueError(f"unknown server kind {kind!r}: off, offload or hisparse")
+    if radix_cache and kind != "hisparse":
+        args.append(tiny_server.RADIX_FLAG)
     return args + a.extra_server_args
 
 
@@ -203,24 +211,40 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
 TOPK_REPLAY_PERIODS = {0.4: 3, 0.1: 12}
 
 
-def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
-    res: Dict[str, Any] = {"kind": kind, "args": server_args(kind, a), "points": [], "ok": False}
-    prof_dir = out_dir / f"profile_{kind}"
-    env = {"SGLANG_TORCH_PROFILER_DIR": str(prof_dir)}
+def launch(
+    kind: str, a: argparse.Namespace, out_dir: Path, radix_cache: bool = False
+) -> Tuple[Server, Dict[str, Any]]:
+    """Start one server of ``kind`` (not waited for) and its result record (kind, args, command):
+    the stand-ins' switches (``--fast-standins``, ``--topk-churn``) and the profiler's folder in
+    its environment, its log in ``out_dir``."""
+    args = server_args(kind, a, radix_cache)
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(out_dir / f"profile_{kind}")}
     if a.fast_standins:
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
     if a.topk_churn:
         env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
-    server = Server(res["args"], out_dir / f"server_{kind}.log", env)
-    res["command"] = shlex.join(server.cmd)
+    server = Server(args, out_dir / f"server_{kind}.log", env)
+    return server, {"kind": kind, "args": args, "command": shlex.join(server.cmd), "ok": False}
+
+
+def wait_started(server: Server, res: Dict[str, Any], deadline: float) -> None:
+    """Wait for ``server`` to answer (within the time left before ``deadline``, at most 900 s) and
+    record its start-up time, KV token capacity (``max_total_num_tokens``) and offload state."""
+    res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
+    info = http("GET", server.url + "/server_info", timeout=60)
+    state = (info.get("internal_states") or [{}])[0]
+    res["max_total_num_tokens"] = state.get(
+        "max_total_num_tokens", info.get("max_total_num_tokens")
+    )
+    res["kv_offload_start"] = state.get("kv_offload")
+
+
+def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
+    server, res = launch(kind, a, out_dir)
+    res["points"] = []
+    prof_dir = out_dir / f"profile_{kind}"
     try:
-        res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
-        info = http("GET", server.url + "/server_info", timeout=60)
-        state = (info.get("internal_states") or [{}])[0]
-        res["max_total_num_tokens"] = state.get(
-            "max_total_num_tokens", info.get("max_total_num_tokens")
-        )
-        res["kv_offload_start"] = state.get("kv_offload")
+        wait_started(server, res, deadline)
         tokenizer = server.cmd[server.cmd.index("--model-path") + 1]
         for conc in a.concurrency:
             if time.time() > deadline - a.point_reserve_s:
@@ -338,6 +362,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
+    a.context_length = a.input_len + a.output_len + 64
     deadline = time.time() + a.deadline_s
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
