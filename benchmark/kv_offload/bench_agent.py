@@ -131,6 +131,7 @@ class Turn:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    spec_accept_length: Optional[float] = None  # with speculative decoding: tokens per verify
     error: Optional[str] = None
     output_ids: List[int] = field(default_factory=list, repr=False)
 
@@ -210,6 +211,7 @@ async def generate(
     turn.prompt_tokens = meta["prompt_tokens"]
     turn.cached_tokens = meta.get("cached_tokens") or 0
     turn.completion_tokens = meta["completion_tokens"]
+    turn.spec_accept_length = meta.get("spec_accept_length")
     turn.output_ids = list(last["output_ids"])
     if turn.error is None and len(turn.output_ids) != max_new_tokens:
         turn.error = f"{len(turn.output_ids)} output ids streamed, {max_new_tokens} asked"
@@ -445,12 +447,12 @@ def run_point(server: Server, w: Workload, sessions: int, in_flight: int) -> Dic
 
 
 def run_overflow(server: Server, w: Workload, context_length: int, session: int) -> Dict[str, Any]:
-    """A session whose tool results (a quarter of the context each) outgrow the context length:
-    the turn that does is refused with upstream's error; the pages of the turns before stay cached
-    until the flush (checked by the caller)."""
+    """A session whose tool results (half the context each) outgrow the context length: the turn
+    that does is refused with upstream's error; the pages of the turns before stay cached until the
+    flush (checked by the caller)."""
     url = server.url
     flush(url)
-    step = max(w.tool_len, context_length // 4)
+    step = max(w.tool_len, context_length // 2)
     grow = Workload(
         turns=context_length // step + 2,
         first_len=w.first_len,
