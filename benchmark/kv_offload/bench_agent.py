@@ -46,10 +46,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -64,19 +64,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_common import PAGE, results_json  # noqa: E402
 from bench_serving_dsa import (  # noqa: E402
-    TOPK_REPLAY_PERIODS,
+    add_server_options,
     launch,
-    model_overrides,
+    report_head,
+    run_servers,
     running_stats,
     wait_started,
 )
 from soak import git_commit, idle_problems  # noqa: E402
-from tiny_server_gpu import Server, http, machine_info  # noqa: E402
+from tiny_server_gpu import Server, http  # noqa: E402
 
 FIRST_TOKEN, LAST_TOKEN = 2, 500  # random prompt ids: past <s>/</s>, inside the tiny tokenizer
 STREAM_BUFSIZE = 16 * 1024**2  # one streamed chunk carries every output id so far
 REQUEST_TIMEOUT_S = 900  # between two chunks of one stream
 # Upstream's two context-length errors (tokenizer manager): the prompt alone, prompt + new tokens.
+logger = logging.getLogger("bench_agent")
 CONTEXT_ERRORS = ("longer than the model's context length", "exceeds the model's maximum context")
 
 
@@ -492,7 +494,7 @@ def run_server(
             point = run_point(server, w, n, a.in_flight)
             res["points"].append(point)
             brief = {k: v for k, v in point.items() if k != "turns"}
-            print(f"[bench_agent] {kind} sessions={n}: {json.dumps(brief)[:800]}", flush=True)
+            logger.info("%s sessions=%d: %s", kind, n, json.dumps(brief)[:800])
         if a.overflow_session:
             res["overflow"] = run_overflow(server, w, a.context_length, max(a.sessions))
         res["after_flush"] = flush(server.url)
@@ -548,11 +550,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", default="bench_agent.json")
-    p.add_argument("--servers", default="off,offload,hisparse")
-    p.add_argument("--model", choices=["dsv32", "tiny"], default="dsv32")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8, help="routed experts of the narrower MoE")
-    p.add_argument("--index-topk", type=int, default=0, help="0: the model's (2048)")
     p.add_argument("--sessions", default="8", help="points: sessions per point, comma list")
     p.add_argument("--in-flight", type=int, default=0, help="sessions at once; 0: all")
     p.add_argument("--turns", type=int, default=4)
@@ -563,25 +560,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--think-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--context-length", type=int, default=0, help="0: the longest session's")
-    p.add_argument("--max-running", type=int, default=0, help="0: the most sessions in flight")
-    p.add_argument("--max-total-tokens", type=int, default=0, help="0: what the memory gives")
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
-    p.add_argument("--chunked-prefill-size", type=int, default=16384)
-    p.add_argument("--offload-config", type=json.loads, default={})
-    p.add_argument("--hisparse-config", type=json.loads, default={})
-    p.add_argument("--fast-standins", action="store_true", help="as bench_serving_dsa.py's")
-    p.add_argument(
-        "--topk-churn",
-        type=float,
-        choices=sorted(TOPK_REPLAY_PERIODS),
-        default=0.0,
-        help="as bench_serving_dsa.py's: the stand-ins' realistic top-k replay; 0: random top-k",
-    )
     p.add_argument("--overflow-session", action="store_true")
-    p.add_argument("--deadline-s", type=float, default=570)
-    p.add_argument("--point-reserve-s", type=float, default=30)
-    p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
+    add_server_options(p, layers=4, max_running=0)  # 0: the most sessions in flight
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     a.sessions = [int(n) for n in a.sessions.split(",") if n]
     w = Workload(
         turns=a.turns,
@@ -595,15 +577,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     a.context_length = a.context_length or w.context_length()
     a.max_running = a.max_running or a.in_flight or max(a.sessions)
     a.extra_server_args = ["--enable-metrics"] + a.extra_server_args
-    deadline = time.time() + a.deadline_s
     out_path = Path(a.out).resolve()
-    out_dir = out_path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     report: Dict[str, Any] = {
-        "machine": machine_info(),
+        **report_head(a, argv),
         "commit": git_commit(),
-        "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "model": {"kind": a.model, "overrides": model_overrides(a)},
         "workload": {
             **asdict(w),
             "sessions": a.sessions,
@@ -612,21 +590,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "max_total_tokens": a.max_total_tokens,
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
-        "servers": [],
     }
-
-    def save() -> None:
-        out_path.write_text(results_json(report))
-
-    kinds = [s for s in a.servers.split(",") if s]
-    for i, kind in enumerate(kinds):
-        print(f"[bench_agent] starting {kind}", flush=True)
-        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
-        report["servers"].append(run_server(kind, a, w, out_dir, share))
-        save()
+    run_servers(a, report, out_path, lambda kind, end: run_server(kind, a, w, out_path.parent, end))
     report["summary"] = summary_table(report)
-    save()
-    print("[bench_agent] summary: " + json.dumps(report["summary"]), flush=True)
+    out_path.write_text(results_json(report))
+    logger.info("summary: %s", json.dumps(report["summary"]))
     return report
 
 

@@ -35,6 +35,7 @@ import argparse
 import glob
 import gzip
 import json
+import logging
 import os
 import shlex
 import statistics
@@ -43,14 +44,15 @@ import sys
 import time
 import urllib.error
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
+import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
 from tiny_server_gpu import Server, http, machine_info, parse_log  # noqa: E402
 
-import tiny_server  # noqa: E402  (scripts/, on the path through tiny_server_gpu)
+logger = logging.getLogger("bench_serving_dsa")
 
 # DeepSeek-V3.2's attention and indexer shapes (config.json of deepseek-ai/DeepSeek-V3.2-Exp).
 DSV32_SHAPES: Dict[str, Any] = {
@@ -318,23 +320,15 @@ BENCH_KEYS = (
 )
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", default="bench_serving_dsa.json")
+def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int) -> None:
+    """The options of the servers a serving benchmark starts (``server_args``, ``launch``) and of
+    its time limit (``run_servers``)."""
     p.add_argument("--servers", default="off,offload,hisparse")
     p.add_argument("--model", choices=["dsv32", "tiny"], default="dsv32")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--experts", type=int, default=8, help="routed experts of the narrower MoE")
     p.add_argument("--index-topk", type=int, default=0, help="0: the model's (2048)")
-    p.add_argument("--input-len", type=int, default=32768)
-    p.add_argument("--output-len", type=int, default=2048)
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--prompts-per-concurrency", type=int, default=2)
-    p.add_argument("--min-prompts", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=max_running)
     p.add_argument("--max-total-tokens", type=int, default=0, help="0: what the memory gives")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--chunked-prefill-size", type=int, default=16384)
@@ -355,22 +349,63 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "window, this fraction of the rest changing per step; the same in every server); 0: the "
         "raw random top-k",
     )
-    p.add_argument("--profile-concurrency", type=int, default=0)
-    p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=570)
     p.add_argument("--point-reserve-s", type=float, default=30)
     p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
+
+
+def report_head(a: argparse.Namespace, argv: Optional[List[str]]) -> Dict[str, Any]:
+    """What every serving benchmark's results start with: machine, command and model."""
+    return {
+        "machine": machine_info(),
+        "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+        "model": {"kind": a.model, "overrides": model_overrides(a)},
+    }
+
+
+def run_servers(
+    a: argparse.Namespace,
+    report: Dict[str, Any],
+    out_path: Path,
+    run_one: Callable[[str, float], Dict[str, Any]],
+) -> None:
+    """``run_one(kind, deadline)`` for each of ``--servers`` in turn, its result appended to
+    ``report["servers"]`` and the report written to ``out_path`` after each. Each server gets an
+    equal share of the time left before ``--deadline-s`` (counted from now), so a slow one cannot
+    leave the last nothing."""
+    deadline = time.time() + a.deadline_s
+    kinds = [s for s in a.servers.split(",") if s]
+    report["servers"] = []
+    for i, kind in enumerate(kinds):
+        logger.info("starting %s", kind)
+        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
+        report["servers"].append(run_one(kind, share))
+        out_path.write_text(results_json(report))
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="bench_serving_dsa.json")
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=2048)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile-concurrency", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=8)
+    add_server_options(p, layers=8, max_running=64)
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
     a.context_length = a.input_len + a.output_len + 64
-    deadline = time.time() + a.deadline_s
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     report: Dict[str, Any] = {
-        "machine": machine_info(),
-        "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-        "model": {"kind": a.model, "overrides": model_overrides(a)},
+        **report_head(a, argv),
         "workload": {
             "input_len": a.input_len,
             "output_len": a.output_len,
@@ -379,20 +414,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "seed": a.seed,
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
-        "servers": [],
     }
-
-    def save() -> None:
-        out_path.write_text(results_json(report))
-
-    kinds = [s for s in a.servers.split(",") if s]
-    for i, kind in enumerate(kinds):
-        print(f"[bench_serving_dsa] starting {kind}", flush=True)
-        # An equal share of the time left for each server still to run, so a slow one cannot
-        # leave the last nothing.
-        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
-        report["servers"].append(run_server(kind, a, out_dir, share))
-        save()
+    run_servers(a, report, out_path, lambda kind, end: run_server(kind, a, out_dir, end))
     report["summary"] = {
         s["kind"]: {
             p["concurrency"]: {
@@ -403,7 +426,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         }
         for s in report["servers"]
     }
-    save()
+    out_path.write_text(results_json(report))
     print("[bench_serving_dsa] summary: " + json.dumps(report["summary"]), flush=True)
     return report
 
