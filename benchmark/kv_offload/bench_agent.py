@@ -137,11 +137,28 @@ class Turn:
     error: Optional[str] = None
     output_ids: List[int] = field(default_factory=list, repr=False)
 
-    def record(self) -> Dict[str, Any]:
-        """The turn without its tokens (the results file keeps the numbers)."""
-        out = asdict(self)
-        out.pop("output_ids")
-        return out
+    def row(self) -> List[Any]:
+        """The turn's numbers in ``TURN_COLUMNS`` order, seconds to the ms (the results file
+        keeps no tokens)."""
+        values = (getattr(self, c) for c in TURN_COLUMNS)
+        return [round(v, 3) if isinstance(v, float) else v for v in values]
+
+
+# A point's turns in the results file: one row of these per turn, in send order.
+TURN_COLUMNS = (
+    "session",
+    "turn",
+    "prompt_len",
+    "history_len",
+    "sent_s",
+    "ttft_s",
+    "latency_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "spec_accept_length",
+    "error",
+)
 
 
 @dataclass
@@ -444,7 +461,7 @@ def run_point(server: Server, w: Workload, sessions: int, in_flight: int) -> Dic
             "used": used(state),
             **{k: state[k] - start[k] for k in OFFLOAD_COUNTERS},
         }
-    point["turns"] = [t.record() for t in run.turns]
+    point["turns"] = {"columns": list(TURN_COLUMNS), "rows": [t.row() for t in run.turns]}
     return point
 
 

@@ -94,7 +94,7 @@ def mtp(logs) -> Tuple[Dict, Dict]:
 
 
 @pytest.fixture(scope="module")
-def pd(logs, mtp) -> Tuple[Dict, Dict]:  # after the co-located servers have stopped
+def pd(logs) -> Tuple[Dict, Dict]:
     """The flag-off pair and the flag-on pair."""
     decode = ["--disaggregation-decode-enable-radix-cache"]
     on = offload(sparse_slots_per_req=2 * TOPK, pd_direct_to_host=True)

@@ -50,7 +50,8 @@ def test_every_turn_answered_and_counted_on_both_servers(report):
         (point,) = server["points"]
         assert point["turns_answered"] == point["turns_sent"] == SESSIONS * TURNS, point["errors"]
         assert point["output_tokens"] == SESSIONS * TURNS * OUTPUT
-        for turn in point["turns"]:
+        for row in point["turns"]["rows"]:
+            turn = dict(zip(point["turns"]["columns"], row))
             assert turn["prompt_tokens"] == turn["prompt_len"], turn
             assert turn["ttft_s"] is not None and turn["ttft_s"] <= turn["latency_s"], turn
         # The budget holds every session: each returning turn reuses its whole history.
