@@ -62,7 +62,7 @@ import aiohttp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_common import PAGE, results_json  # noqa: E402
+from bench_common import PAGE, read_results, results_json  # noqa: E402
 from bench_serving_dsa import (  # noqa: E402
     add_server_options,
     launch,
@@ -562,6 +562,20 @@ def summary_table(report: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def merge(paths: Sequence[str], out_path: Path) -> Dict[str, Any]:
+    """One report of the servers of ``paths`` (each a run of this benchmark with the same workload,
+    e.g. one server per call where one call cannot run all three), with their summary."""
+    reports = [read_results(path) for path in paths]
+    workloads = {json.dumps(r["workload"], sort_keys=True) for r in reports}
+    if len(workloads) > 1:
+        raise SystemExit(f"--merge: the files ran different workloads: {sorted(workloads)}")
+    report = {**reports[0], "merged_from": [r["command"] for r in reports]}
+    report["servers"] = [s for r in reports for s in r["servers"]]
+    report["summary"] = summary_table(report)
+    out_path.write_text(results_json(report))
+    return report
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -578,9 +592,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--context-length", type=int, default=0, help="0: the longest session's")
     p.add_argument("--overflow-session", action="store_true")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: write to --out these results files' servers as one report (runs of "
+        "the same command, one server each), with their summary",
+    )
     add_server_options(p, layers=4, max_running=0)  # 0: the most sessions in flight
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    if a.merge:
+        return merge(a.merge, Path(a.out))
     a.sessions = [int(n) for n in a.sessions.split(",") if n]
     w = Workload(
         turns=a.turns,
