@@ -28,7 +28,7 @@ sessions, ``--sessions 4,8``; the cache flushed before each) records:
 * prefill tokens computed vs served from the cache (``meta_info.cached_tokens`` of every turn; the
   server's ``/metrics`` counters must say the same: ``counters``);
 * returning turns: cached tokens against the session's previous history (the page-aligned prompt +
-  answer a full hit would reuse), the share of full hits, and ``sessions_held``: sessions whose
+  answer a full hit would reuse), the number of full hits, and ``sessions_held``: sessions whose
   every returning turn found its whole history cached;
 * the decode batch sizes (peak and mean running requests, from the server's log), the KV token
   capacity (``max_total_num_tokens``) and, with the flag, the offload state (host rows the tree
@@ -37,8 +37,11 @@ sessions, ``--sessions 4,8``; the cache flushed before each) records:
 ``--overflow-session`` then runs one more session whose tool results grow its history past the
 context length: upstream answers that turn with its context-length error, and after
 ``/flush_cache`` every free count of the flag-on server is back at its start (the session's cached
-pages freed). Results (``--out``) are rewritten after every point, so a run cut short keeps what it
-got; the servers' logs lie next to it.
+pages freed). Results (``--out``) are rewritten after every server, so a run cut short keeps what it
+got; the servers' logs lie next to it. Each server gets an equal share of ``--deadline-s``; where
+one call cannot run all three, run one server per call (same workload) and join the files with
+``--merge``. The summary gives per point and server the headline numbers and the flag's returning-turn
+cached tokens over the no-flag server's (``returning_cached_ratio``).
 """
 
 from __future__ import annotations
