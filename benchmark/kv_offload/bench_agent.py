@@ -40,8 +40,8 @@ context length: upstream answers that turn with its context-length error, and af
 pages freed). Results (``--out``) are rewritten after every server, so a run cut short keeps what it
 got; the servers' logs lie next to it. Each server gets an equal share of ``--deadline-s``; where
 one call cannot run all three, run one server per call (same workload) and join the files with
-``--merge``. The summary gives per point and server the headline numbers and the flag's returning-turn
-cached tokens over the no-flag server's (``returning_cached_ratio``).
+``--merge``. The summary gives per point and server the headline numbers, and the flag's
+returning-turn cached tokens over the no-flag server's (``returning_cached_ratio``).
 """
 
 from __future__ import annotations
