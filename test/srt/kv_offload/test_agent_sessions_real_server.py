@@ -5,7 +5,7 @@ Two sessions of three turns (a 160-token system prompt both share, then each ses
 every later turn appends the answer and a tool result), sent through the agent benchmark's
 streaming client (``benchmark/kv_offload/bench_agent.py``) one turn at a time, session after
 session, so every server runs the same requests alone, in the same order, against the same
-cache. Each flag-on deployment runs side by side with its flag-off reference:
+cache. Each flag-on deployment runs beside its flag-off reference:
 
 * the reference: a co-located server without the flag or speculation, radix cache on;
 * MTP: the flag, the radix cache and NEXTN (``test_spec_real_server.SPEC``: 3 draft steps, eagle
@@ -32,7 +32,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 from _real_server import TinyServer, started
@@ -62,18 +62,22 @@ def offload(**config) -> List[str]:
     return ["--enable-kv-offload", "--kv-offload-config", json.dumps(config)]
 
 
-def serve(off, on, flag_server) -> Tuple[Dict, Dict]:
-    """Start the flag-off and flag-on deployments side by side and run the sessions on both at
-    once (each server still gets its turns one at a time, in the same order); the flag-on
-    ``flag_server``'s offload state before and after ``/flush_cache`` goes with its turns."""
-    with started(off, on), ThreadPoolExecutor(2) as pool:
-        runs = pool.map(
-            lambda url: bench_agent.run_sessions(url, WORKLOAD, SESSIONS, in_flight=1),
-            [off.url, on.url],
-        )
-        ref, got = [{"turns": sorted(r.turns, key=lambda t: (t.session, t.turn))} for r in runs]
-        got["before_flush"] = bench_agent.wait_released(flag_server.url)
-        got["after_flush"] = bench_agent.flush(flag_server.url)
+def serve(off: Callable, on, flag_server: TinyServer) -> Tuple[Dict, Dict]:
+    """Start the flag-off deployment (``off()``) once the flag-on one (``on``, launched) answers,
+    then run the sessions on both at once (each server still gets its turns one at a time, in the
+    same order); the flag-on ``flag_server``'s offload state before and after ``/flush_cache`` goes
+    with its turns. (The flag-on server first: its host pool's start-up check counts host memory
+    the reference's servers would take while starting.)"""
+    with started(on):
+        reference = off()
+        with started(reference), ThreadPoolExecutor(2) as pool:
+            runs = pool.map(
+                lambda url: bench_agent.run_sessions(url, WORKLOAD, SESSIONS, in_flight=1),
+                [reference.url, on.url],
+            )
+            ref, got = [{"turns": sorted(r.turns, key=lambda t: (t.session, t.turn))} for r in runs]
+            got["before_flush"] = bench_agent.wait_released(flag_server.url)
+            got["after_flush"] = bench_agent.flush(flag_server.url)
     return ref, got
 
 
@@ -85,12 +89,11 @@ def logs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mtp(logs) -> Tuple[Dict, Dict]:
     """The reference and the MTP server."""
-    reference = TinyServer(COMMON + RADIX, logs / "reference.log")
     # Slots for the union of a verify step's 4 draft tokens' top-k sets.
     spec = TinyServer(
         COMMON + RADIX + SPEC + offload(sparse_slots_per_req=4 * TOPK), logs / "mtp.log"
     )
-    return serve(reference, spec, spec)
+    return serve(lambda: TinyServer(COMMON + RADIX, logs / "reference.log"), spec, spec)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def pd(logs) -> Tuple[Dict, Dict]:
     decode = ["--disaggregation-decode-enable-radix-cache"]
     on = offload(sparse_slots_per_req=2 * TOPK, pd_direct_to_host=True)
     flag_on = PDPair(COMMON, decode + on, logs / "pd_on")
-    return serve(PDPair(COMMON, decode, logs / "pd_off"), flag_on, flag_on.decode)
+    return serve(lambda: PDPair(COMMON, decode, logs / "pd_off"), flag_on, flag_on.decode)
 
 
 def check_against_reference(reference: Dict, run: Dict) -> None:
