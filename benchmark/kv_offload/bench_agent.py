@@ -4,8 +4,9 @@
 One command on the lent GPU machine (after ``source scripts/gpu_env.sh``)::
 
     python3 benchmark/kv_offload/bench_agent.py --out results.json --servers off,offload,hisparse \\
-        --model dsv32 --layers 4 --sessions 8 --turns 4 --first-len 32768 --system-len 4096 \\
-        --tool-len 2048 --output-len 256 --think-s 1 --max-total-tokens 131072 --fast-standins
+        --model dsv32 --layers 4 --sessions 4 --turns 3 --first-len 32768 --system-len 4096 \\
+        --tool-len 2048 --output-len 256 --think-s 1 --max-total-tokens 81920 \\
+        --offload-config '{"sparse_slots_per_req": 4096}' --fast-standins --topk-churn 0.4
 
 What it models: the long contexts DeepSeek-V3.2 serves are mostly agent sessions. A session opens
 with a long first turn (a system prompt shared by every session, then its own tools and
