@@ -37,6 +37,7 @@ import argparse
 import glob
 import gzip
 import json
+import logging
 import os
 import shlex
 import statistics
@@ -45,14 +46,15 @@ import sys
 import time
 import urllib.error
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1] / "scripts"))
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
 from tiny_server_gpu import Server, http, machine_info, parse_log  # noqa: E402
+
+logger = logging.getLogger("bench_serving_dsa")
 
 # DeepSeek-V3.2's attention and indexer shapes (config.json of deepseek-ai/DeepSeek-V3.2-Exp).
 DSV32_SHAPES: Dict[str, Any] = {
@@ -95,10 +97,14 @@ def topk_of(a: argparse.Namespace) -> int:
     return model_overrides(a).get("index_topk", 2048)
 
 
-def server_args(kind: str, a: argparse.Namespace) -> List[str]:
-    """The launch flags of one server; everything but the offload flags is the same for all."""
+def server_args(kind: str, a: argparse.Namespace, radix_cache: bool = False) -> List[str]:
+    """The launch flags of one server; everything but the offload flags is the same for all.
+
+    ``radix_cache`` keeps upstream's prefix cache on (``tiny_server.RADIX_FLAG``) for every kind
+    but HiSparse, which 0.5.23 runs only without it.
+    """
     args = [
-        "--context-length", str(a.input_len + a.output_len + 64),
+        "--context-length", str(a.context_length),
         "--mem-fraction-static", str(a.mem_fraction_static),
         "--max-running-requests", str(a.max_running),
         "--cuda-graph-max-bs-decode", str(a.max_running),
@@ -118,6 +124,8 @@ def server_args(kind: str, a: argparse.Namespace) -> List[str]:
         args += ["--enable-hisparse", "--hisparse-config", json.dumps(cfg)]
     elif kind != "off":
         raise ValueError(f"unknown server kind {kind!r}: off, offload or hisparse")
+    if radix_cache and kind != "hisparse":
+        args.append(tiny_server.RADIX_FLAG)
     return args + a.extra_server_args
 
 
@@ -207,24 +215,40 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
 TOPK_REPLAY_PERIODS = {0.4: 3, 0.1: 12}
 
 
-def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
-    res: Dict[str, Any] = {"kind": kind, "args": server_args(kind, a), "points": [], "ok": False}
-    prof_dir = out_dir / f"profile_{kind}"
-    env = {"SGLANG_TORCH_PROFILER_DIR": str(prof_dir)}
+def launch(
+    kind: str, a: argparse.Namespace, out_dir: Path, radix_cache: bool = False
+) -> Tuple[Server, Dict[str, Any]]:
+    """Start one server of ``kind`` (not waited for) and its result record (kind, args, command):
+    the stand-ins' switches (``--fast-standins``, ``--topk-churn``) and the profiler's folder in
+    its environment, its log in ``out_dir``."""
+    args = server_args(kind, a, radix_cache)
+    env = {"SGLANG_TORCH_PROFILER_DIR": str(out_dir / f"profile_{kind}")}
     if a.fast_standins:
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
     if a.topk_churn:
         env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
-    server = Server(res["args"], out_dir / f"server_{kind}.log", env, kernels=a.kernels)
-    res["command"] = shlex.join(server.cmd)
+    server = Server(args, out_dir / f"server_{kind}.log", env, kernels=a.kernels)
+    return server, {"kind": kind, "args": args, "command": shlex.join(server.cmd), "ok": False}
+
+
+def wait_started(server: Server, res: Dict[str, Any], deadline: float) -> None:
+    """Wait for ``server`` to answer (within the time left before ``deadline``, at most 900 s) and
+    record its start-up time, KV token capacity (``max_total_num_tokens``) and offload state."""
+    res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
+    info = http("GET", server.url + "/server_info", timeout=60)
+    state = (info.get("internal_states") or [{}])[0]
+    res["max_total_num_tokens"] = state.get(
+        "max_total_num_tokens", info.get("max_total_num_tokens")
+    )
+    res["kv_offload_start"] = state.get("kv_offload")
+
+
+def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
+    server, res = launch(kind, a, out_dir)
+    res["points"] = []
+    prof_dir = out_dir / f"profile_{kind}"
     try:
-        res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
-        info = http("GET", server.url + "/server_info", timeout=60)
-        state = (info.get("internal_states") or [{}])[0]
-        res["max_total_num_tokens"] = state.get(
-            "max_total_num_tokens", info.get("max_total_num_tokens")
-        )
-        res["kv_offload_start"] = state.get("kv_offload")
+        wait_started(server, res, deadline)
         tokenizer = server.cmd[server.cmd.index("--model-path") + 1]
         for conc in a.concurrency:
             if time.time() > deadline - a.point_reserve_s:
@@ -299,29 +323,15 @@ BENCH_KEYS = (
 )
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", default="bench_serving_dsa.json")
+def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int) -> None:
+    """The options of the servers a serving benchmark starts (``server_args``, ``launch``) and of
+    its time limit (``run_servers``)."""
     p.add_argument("--servers", default="off,offload,hisparse")
     p.add_argument("--model", choices=["dsv32", "tiny"], default="dsv32")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--experts", type=int, default=8, help="routed experts of the narrower MoE")
     p.add_argument("--index-topk", type=int, default=0, help="0: the model's (2048)")
-    p.add_argument("--input-len", type=int, default=32768)
-    p.add_argument("--output-len", type=int, default=2048)
-    p.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=1.0,
-        help="bench_serving's: lengths uniform in [ratio x len, len]; 1: fixed lengths",
-    )
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--prompts-per-concurrency", type=int, default=2)
-    p.add_argument("--min-prompts", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=max_running)
     p.add_argument("--max-total-tokens", type=int, default=0, help="0: what the memory gives")
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--chunked-prefill-size", type=int, default=16384)
@@ -343,23 +353,71 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "raw random top-k",
     )
     tiny_server.add_kernels_argument(p)
-    p.add_argument("--profile-concurrency", type=int, default=0)
-    p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=570)
     p.add_argument("--point-reserve-s", type=float, default=30)
     p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
-    a = p.parse_args(argv)
-    a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
-    deadline = time.time() + a.deadline_s
-    out_path = Path(a.out).resolve()
-    out_dir = out_path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def report_head(a: argparse.Namespace, argv: Optional[List[str]]) -> Dict[str, Any]:
+    """What every serving benchmark's results start with: machine, command and model."""
     _, env = tiny_server.build_command([], kernels=a.kernels)
-    report: Dict[str, Any] = {
+    return {
         "machine": machine_info(),
         "kernels": tiny_server.kernel_report(env),
         "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "model": {"kind": a.model, "overrides": model_overrides(a)},
+    }
+
+
+def run_servers(
+    a: argparse.Namespace,
+    report: Dict[str, Any],
+    out_path: Path,
+    run_one: Callable[[str, float], Dict[str, Any]],
+) -> None:
+    """``run_one(kind, deadline)`` for each of ``--servers`` in turn, its result appended to
+    ``report["servers"]`` and the report written to ``out_path`` after each. Each server gets an
+    equal share of the time left before ``--deadline-s`` (counted from now), so a slow one cannot
+    leave the last nothing."""
+    deadline = time.time() + a.deadline_s
+    kinds = [s for s in a.servers.split(",") if s]
+    report["servers"] = []
+    for i, kind in enumerate(kinds):
+        logger.info("starting %s", kind)
+        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
+        report["servers"].append(run_one(kind, share))
+        out_path.write_text(results_json(report))
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="bench_serving_dsa.json")
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=2048)
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="bench_serving's: lengths uniform in [ratio x len, len]; 1: fixed lengths",
+    )
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2)
+    p.add_argument("--min-prompts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile-concurrency", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=8)
+    add_server_options(p, layers=8, max_running=64)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
+    a.context_length = a.input_len + a.output_len + 64
+    out_path = Path(a.out).resolve()
+    out_dir = out_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: Dict[str, Any] = {
+        **report_head(a, argv),
         "workload": {
             "input_len": a.input_len,
             "output_len": a.output_len,
@@ -368,20 +426,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "seed": a.seed,
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
-        "servers": [],
     }
-
-    def save() -> None:
-        out_path.write_text(results_json(report))
-
-    kinds = [s for s in a.servers.split(",") if s]
-    for i, kind in enumerate(kinds):
-        print(f"[bench_serving_dsa] starting {kind}", flush=True)
-        # An equal share of the time left for each server still to run, so a slow one cannot
-        # leave the last nothing.
-        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
-        report["servers"].append(run_server(kind, a, out_dir, share))
-        save()
+    run_servers(a, report, out_path, lambda kind, end: run_server(kind, a, out_dir, end))
     report["summary"] = {
         s["kind"]: {
             p["concurrency"]: {
@@ -392,7 +438,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         }
         for s in report["servers"]
     }
-    save()
+    out_path.write_text(results_json(report))
     print("[bench_serving_dsa] summary: " + json.dumps(report["summary"]), flush=True)
     return report
 

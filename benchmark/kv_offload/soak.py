@@ -648,7 +648,12 @@ def soak(target: Target, duration_s: float, window_s: float, seed: int) -> Dict:
 
 
 def git_commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    """The checkout's short commit ('' where there is no git or no repository, e.g. a copied
+    work tree)."""
+    try:
+        run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    except OSError:
+        return ""
     return run.stdout.decode().strip()
 
 
