@@ -7,8 +7,8 @@ Two modes, both written as results JSON (``--out``):
 budget, worked out by the product's own sizing code (``device_pool.size_arena`` and the arena layout
 the server builds): for each prompt length (plus ``--output-len``), the requests and tokens the
 flag-off budget holds (``max_total_num_tokens`` / request length) and those the flag-on arena holds
-(a request up to ``sparse_slots_per_req`` tokens keeps its whole context on the GPU, a longer one
-its slots and two tail pages; every token keeps its index keys), the server's own
+(a request no longer than its ``sparse_slots_per_req`` and two tail pages keeps its whole context on
+the GPU, a longer one its slots and two tail pages; every token keeps its index keys), the server's own
 ``max_total_num_tokens`` with and without the flag, and the host memory the flag-on batch needs.
 
 ``serve``: the real tiny servers on this machine (``scripts/tiny_server.py``, CPU), flag off and on
@@ -43,8 +43,10 @@ def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pag
     """Requests of ``length`` tokens held at once without and with the flag."""
     layout = sizing.layout
     off = flag_off_tokens // (_pages(length) * PAGE)
-    resident = length <= slots
-    phys = _pages(length) if resident else slots // PAGE + tail_pages
+    sparse = slots // PAGE + tail_pages
+    # A request whose whole context takes no more pages than its slots and tail pages stays resident.
+    resident = _pages(length) <= sparse
+    phys = _pages(length) if resident else sparse
     logical = _pages(length)
     # k requests fit if their physical and logical pages do, in whole units.
     lo, hi = 0, sizing.logical_tokens // PAGE + 1

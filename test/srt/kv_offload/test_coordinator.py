@@ -756,8 +756,11 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
 
     h = Harness(buffer_slots=64)
     gate = KVOffloadRuntime(h.coord, h.r2t)
-    promise = h.coord.promise_rows(128 + 16)  # sparse: 64 slots + 2 tail pages = 192 rows
+    promise = h.coord.promise_rows(128 + 80)  # sparse: 64 slots + 2 tail pages = 192 rows
     assert promise == 64 + 2 * P and h.coord.promise_rows(48) == P  # resident: its context
+    # Resident while the whole context takes no more rows than going sparse would.
+    assert h.coord.resident_len(promise) and not h.coord.resident_len(promise + 1)
+    assert h.coord.promise_rows(promise + 1) == promise
 
     def stage(n):  # a prefill batch: the request row, the prompt's rows, the promise
         r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
@@ -767,16 +770,16 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
         h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
         h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
         h.write_rows(locs, h.kv[r])
-        gate.prepare_extend(_batch([_prompt(n, r, max_new=16)]))
+        gate.prepare_extend(_batch([_prompt(n, r, max_new=80)]))
         return r
 
     a = stage(128)
     assert h.coord.owed_rows() == promise
     # Room for exactly one more staged prompt and both promises.
     h.squeeze_physical(2 * (128 + promise) - 128, owed=True)
-    assert gate.can_stage_prefill(_prompt(128, max_new=16), [])
+    assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
     b = stage(128)
-    assert not gate.can_stage_prefill(_prompt(128, max_new=16), [])
+    assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
     assert h.coord.stats["prefill_waits"] == 1
     # A short request that stays resident needs only its context's page, which is still there.
     assert gate.can_stage_prefill(_prompt(48, max_new=16), [])
@@ -786,7 +789,14 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
         h.coord.admit(r, 128)
         assert not h.coord.requests[r].resident and h.coord.requests[r].has_slots
     h.coord.drain()
-    assert gate.can_stage_prefill(_prompt(128, max_new=16), [])
+    assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
+    # An admitted request owes its promise less its slots and its tail rows: a decode token that
+    # opens a page past its backed-up prompt is a tail row it holds toward its promise.
+    slots = sum(int(h.sparse.num_slots_cpu[r]) for r in (a, b))
+    assert h.coord.owed_rows() == 2 * promise - slots
+    h.coord.requests[a].seq_len += 1
+    assert h.coord.owed_rows() == 2 * promise - slots - P
+    h.coord.requests[a].seq_len -= 1
     h.finish_all()
 
 

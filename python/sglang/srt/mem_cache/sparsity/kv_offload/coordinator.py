@@ -58,7 +58,7 @@ class OffloadedRequest:
     written_len: int  # positions whose KV rows are written; only these may be backed up
     backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
     has_slots: bool = False
-    # Kept on the GPU whole: its context fits its sparse slots (see KVOffloadCoordinator).
+    # Kept on the GPU whole: its context takes no more rows than its sparse slots and tail pages.
     resident: bool = False
     # Radix cache: the prompt pages this request must back up (whole pages of logical locs, on the
     # device) when the rest of [0, backed_up_end) are a shared prefix backed up by another request.
@@ -88,8 +88,9 @@ class KVOffloadCoordinator:
 
     Admission control: every live request (staged for a prefill, pre-allocated for a PD transfer, or
     admitted) is promised the physical rows it may come to hold (:meth:`promise_rows`): a request
-    whose whole context fits its sparse slots is kept on the GPU whole (*resident*: no backup, no
-    slot, no load; its rows are its context), any other its sparse slots plus its tail pages. The
+    whose whole context takes no more rows than its sparse slots and tail pages is kept on the GPU
+    whole (*resident*: no backup, no slot, no load; its rows are its context), any other its sparse
+    slots plus its tail pages. The
     rows promised and not yet held (:meth:`owed_rows`) are kept out of the logical budget, and a new
     request is staged only if its prompt, its promise and its logical locs fit in the arena beside
     them (:meth:`can_stage`), so an admitted request always finds its rows.
@@ -143,8 +144,11 @@ class KVOffloadCoordinator:
         self.reservations: Dict[int, Tuple[int, int]] = {}
         # Positions a decode step allocates ahead of its committed tokens (speculative drafts).
         self.lookahead = (tail_pages - 2) * self.page_size
+        # A sparse request's promise: its most sparse slots and its tail pages. A request whose
+        # whole context takes no more rows stays resident.
+        self._sparse_rows = sparse_cache.max_slots + tail_pages * self.page_size
         # A final length no resident request has (promised as a sparse one).
-        self._sparse_len = sparse_cache.max_slots + 1
+        self._sparse_len = self._sparse_rows + 1
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
         # The plan's counters and error flags, copied to the host after each step's forward and
@@ -176,8 +180,11 @@ class KVOffloadCoordinator:
 
     # ------------------------------------------------------------------ admission control
     def resident_len(self, final_len: int) -> bool:
-        """Whether a request that may reach ``final_len`` positions is kept on the GPU whole."""
-        return final_len + self.lookahead <= self.sparse_cache.max_slots
+        """Whether a request that may reach ``final_len`` positions is kept on the GPU whole: its
+        whole context (speculative lookahead included) takes no more rows than going sparse
+        would (its most sparse slots and its tail pages)."""
+        page = self.page_size
+        return -(-(final_len + self.lookahead) // page) * page <= self._sparse_rows
 
     def promise_rows(self, final_len: int) -> int:
         """Physical rows a request that may reach ``final_len`` positions may come to hold: its
@@ -185,18 +192,23 @@ class KVOffloadCoordinator:
         page = self.page_size
         if self.resident_len(final_len):
             return -(-(final_len + self.lookahead) // page) * page
-        return self.sparse_cache.max_slots + self.tail_pages * page
+        return self._sparse_rows
 
     def _held_rows(self, r: int, final_len: int, staged_len: int) -> int:
-        """Rows request ``r`` holds toward its promise: its context rows if resident, else its
-        slots (tail and staging rows it holds are not subtracted: conservative)."""
+        """Rows request ``r`` holds toward its promise: its context rows if resident; once it has
+        sparse slots, its slots and the tail rows of positions no backup has started for (rows
+        whose backup is in flight, and the rows of a request still waiting for slots, are not
+        subtracted: conservative)."""
         page = self.page_size
         req = self.requests.get(r)
         if req is None:
             return -(-staged_len // page) * page if self.resident_len(final_len) else 0
         if req.resident:
             return -(-req.seq_len // page) * page
-        return self.sparse_cache.num_slots_cpu[r]
+        if not req.has_slots:
+            return 0
+        tail = max(0, -(-req.seq_len // page) * page - req.backed_up_end)
+        return int(self.sparse_cache.num_slots_cpu[r]) + tail
 
     def owed_rows(self) -> int:
         """Physical rows live requests are promised and do not hold yet (no device read)."""
@@ -241,8 +253,8 @@ class KVOffloadCoordinator:
         """Take over a request whose prompt KV sits in GPU tail rows (after prefill or PD transfer).
 
         ``seq_len`` positions have logical locs; the first ``written_len`` (default: all) have their
-        KV written. A request that may reach ``final_len`` positions (default: unknown) within its
-        sparse slots stays in its GPU rows (resident); any other starts the backup of its complete
+        KV written. A request that may reach ``final_len`` positions (default: unknown) in no more
+        rows than its sparse slots and tail pages stays in its GPU rows (resident); any other starts the backup of its complete
         written pages and asks for sparse slots, neither waited for. Raises if the request is
         already admitted (exactly-once).
         """
@@ -606,7 +618,7 @@ class KVOffloadCoordinator:
         would overflow them). A request without slots yet keeps its KV in tail rows and waits; a
         resident one needs none unless it outgrows its slots (then it goes sparse)."""
         if req.resident:
-            if req.seq_len + self.lookahead <= self.sparse_cache.max_slots:
+            if self.resident_len(req.seq_len):
                 return True
             req.resident = False
             self.reservations[req.req_pool_idx] = (self._sparse_len, 0)
@@ -614,7 +626,7 @@ class KVOffloadCoordinator:
                 "kv_offload: req %d outgrew its %d GPU rows (more tokens than its max_new_tokens "
                 "promised); it goes sparse",
                 req.req_pool_idx,
-                self.sparse_cache.max_slots,
+                self._sparse_rows,
             )
         if req.has_slots:
             return self.sparse_cache.grow(req.req_pool_idx, req.seq_len)

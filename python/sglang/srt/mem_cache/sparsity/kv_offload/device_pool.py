@@ -4,7 +4,7 @@
   (``index_k_with_scale_buffer``, :func:`index_row_bytes` per token and layer: 132 B for
   DeepSeek-V3.2's 128-dim keys) for the whole context of every request.
 * Physical KV rows (656 B fp8 layout / 1152 B bf16 per token and layer) exist only for tokens the GPU
-  keeps: the whole context of a request that fits its sparse slots, sparse slots, decode tails and
+  keeps: the whole context of a request no longer than its sparse slots and tail pages, sparse slots, decode tails and
   prompts not yet backed up.
 * Both live in the same bytes (:mod:`arena`): the KV buffer and the index buffer of a layer are two
   views of one arena, whose units move between the physical and the logical allocator as requests
