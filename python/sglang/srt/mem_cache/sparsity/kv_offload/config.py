@@ -356,8 +356,17 @@ def validate_server_args(server_args) -> KVOffloadConfig:
             "--dsa-prefill-backend flashmla_sparse_q8 writes the prompt KV in its own layout, "
             "which the host pool does not hold. Use --dsa-prefill-backend flashmla_sparse."
         )
+    if kv_dtype not in SUPPORTED_DECODE_BACKENDS:
+        formats = " or ".join(
+            f"{dtype} (with --dsa-decode-backend {' or '.join(backends)})"
+            for dtype, backends in SUPPORTED_DECODE_BACKENDS.items()
+        )
+        _reject(
+            f"--kv-cache-dtype {kv_dtype} is not supported: the host pool holds the DSA KV rows "
+            f"of fp8_e4m3 (656 B) or bfloat16 (1152 B). Use --kv-cache-dtype {formats}."
+        )
     decode_backend = cfg.dsa_decode_backend
-    if kv_dtype in SUPPORTED_DECODE_BACKENDS and decode_backend is not None:
+    if decode_backend is not None:
         allowed = SUPPORTED_DECODE_BACKENDS[kv_dtype]
         if decode_backend not in allowed:
             _reject(
