@@ -244,3 +244,47 @@ def test_cpu_fp8_check_lets_dsa_through_only(dsa, monkeypatch):
     refused = "CPU FP8 KV cache is only supported for MHA" in str(info.value)
     # The DSA model passes the check (and fails later, on what this stand-in object lacks).
     assert refused != dsa, info.value
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_quantiser_writes_the_gpu_kernels_bytes():
+    """On the GPU upstream's Triton kernel runs for real (C2 is CPU only): the torch port's bytes
+    must be its bytes, on any latent."""
+    nope, rope = (t.cuda() for t in latent(4 * PAGE, 10))
+    want = upstream_quantise(nope, rope)
+    got = standins.quantize_k_cache_fast_separate(nope, rope)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@gpu
+def test_sparse_decode_replays_in_a_cuda_graph():
+    """S20 under CUDA-graph capture (as the decode step runs it): replay equals eager."""
+    pages, batch, heads, topk = 4, 3, 64, 64
+    cache = quantised_rows(pages * PAGE, 11).cuda().view(pages, PAGE, 1, ROW)
+    g = torch.Generator().manual_seed(12)
+    q = (torch.randn(batch, 1, heads, NOPE + ROPE, generator=g) * 0.2).to(torch.bfloat16).cuda()
+    indices = torch.randint(0, pages * PAGE, (batch, 1, topk), generator=g, dtype=torch.int32)
+    indices[1, 0, ::2] = -1
+    indices = indices.cuda()
+
+    def step():
+        return standins.flash_mla_with_kvcache(
+            q, cache, None, None, NOPE, None, 0.1, False, True, indices
+        )
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
