@@ -19,8 +19,11 @@ Only the standard library is used, so the tool runs with any Python 3.9+ before 
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -298,11 +301,94 @@ def pip_download(dest, requirement: str, *extra: str) -> None:
     )
 
 
+def trimmed_base_path(base: Base) -> Path:
+    """Where a trimmed copy of the pinned wheel lies in the cache (see :func:`write_trimmed_base`)."""
+    return CACHE / f"{Path(base.wheel).stem}.trimmed.zip"
+
+
+def _record_hashes(record: str) -> Dict[str, str]:
+    """``path -> sha256`` (RECORD's urlsafe base64, no padding) of a wheel's RECORD text."""
+    out = {}
+    for row in csv.reader(record.splitlines()):
+        if len(row) >= 2 and row[1].startswith("sha256="):
+            out[row[0]] = row[1][len("sha256=") :]
+    return out
+
+
+def _member_digest(zf: zipfile.ZipFile, name: str) -> str:
+    h = hashlib.sha256()
+    with zf.open(name) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+
+
+def _record_name(base: Base) -> str:
+    return f"{base.name}-{base.version}.dist-info/RECORD"
+
+
+def write_trimmed_base(whl: Path, base: Base, drop: Sequence[str], out: Path) -> List[str]:
+    """Copy the pinned wheel ``whl`` (sha256-checked here) to ``out`` without the members whose
+    path starts with one of ``drop``; a sidecar ``out.json`` names the wheel and the sha256 of its
+    RECORD, against which :func:`verify_trimmed_base` checks every member that is left. Returns the
+    dropped members."""
+    if sha256_file(whl) != base.sha256:
+        raise TreeError(f"{whl}: sha256 differs from patches/base's {base.sha256}")
+    dropped = []
+    tmp = out.with_name(out.name + ".tmp")
+    with zipfile.ZipFile(whl) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        record = src.read(_record_name(base))
+        for info in src.infolist():
+            if info.filename.startswith(tuple(drop)):
+                dropped.append(info.filename)
+            else:
+                dst.writestr(info, src.read(info))
+    sidecar = {
+        "wheel": base.wheel,
+        "sha256": base.sha256,
+        "record_sha256": hashlib.sha256(record).hexdigest(),
+        "dropped": dropped,
+    }
+    Path(f"{out}.json").write_text(json.dumps(sidecar, indent=1) + "\n")
+    tmp.replace(out)
+    return dropped
+
+
+def verify_trimmed_base(archive: Path, base: Base) -> None:
+    """``archive`` holds members of the pinned wheel only, each byte for byte (RECORD's hashes),
+    and its sidecar names the pinned wheel; raises :class:`TreeError` otherwise."""
+    sidecar_path = Path(f"{archive}.json")
+    if not sidecar_path.exists():
+        raise TreeError(f"{archive} has no {sidecar_path.name}; rewrite it with write_trimmed_base")
+    sidecar = json.loads(sidecar_path.read_text())
+    if (sidecar.get("wheel"), sidecar.get("sha256")) != (base.wheel, base.sha256):
+        raise TreeError(
+            f"{archive} was trimmed from {sidecar.get('wheel')} (sha256 {sidecar.get('sha256')}), "
+            f"not from patches/base's {base.wheel}; fetch it again (scripts/env/fetch_gpu_wheels.sh)"
+        )
+    with zipfile.ZipFile(archive) as zf:
+        record = zf.read(_record_name(base))
+        if hashlib.sha256(record).hexdigest() != sidecar["record_sha256"]:
+            raise TreeError(f"{archive}: its RECORD is not the pinned wheel's")
+        hashes = _record_hashes(record.decode())
+        for name in zf.namelist():
+            if name == _record_name(base) or name.endswith("/"):
+                continue
+            if hashes.get(name) != _member_digest(zf, name):
+                raise TreeError(f"{archive}: {name} differs from the pinned wheel's RECORD")
+
+
 def fetch_wheel(base: Base) -> Path:
+    """The pinned wheel from the cache (fetched when missing), or, where only a trimmed copy was
+    carried (the GPU machine, no network), that copy once verified."""
     CACHE.mkdir(parents=True, exist_ok=True)
     whl = CACHE / base.wheel
     if whl.exists() and sha256_file(whl) == base.sha256:
         return whl
+    trimmed = trimmed_base_path(base)
+    if not whl.exists() and trimmed.exists():
+        verify_trimmed_base(trimmed, base)
+        return trimmed
     log(f"fetching {base.name}=={base.version} wheel")
     # The wheel's tags, whatever Python runs this tool (the GPU image has 3.12; it reads the cache).
     _, _, python_tag, abi_tag, platform_tag = Path(base.wheel).stem.split("-")

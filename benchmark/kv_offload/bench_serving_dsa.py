@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Serving throughput of a DeepSeek-V3.2-shaped server: no flag vs ``--enable-kv-offload`` vs HiSparse.
 
-One command on the lent GPU machine (after ``source scripts/gpu_env.sh``)::
+One command on the lent GPU machine (after ``source scripts/gpu_env.sh production|standins``)::
 
     python3 benchmark/kv_offload/bench_serving_dsa.py --out results.json \\
         --servers off,offload,hisparse --layers 8 --input-len 32768 --output-len 2048 \\
-        --concurrency 1,8,32
+        --concurrency 1,8,32 [--kernels production|standins]
 
 For each server in turn it starts the REAL ``python -m sglang.launch_server`` (through
-``scripts/tiny_server.py``: random weights, the binary kernels the machine lacks as the torch
-references of ``test/srt/kv_offload/standins``) with CUDA graphs and the overlap scheduler on and the
+``scripts/tiny_server.py``: random weights; ``--kernels production``: FlashMLA, DeepGEMM and 0.5.23's
+JIT kernels with the fp8 KV cache, ``standins``: the torch references of
+``test/srt/kv_offload/standins``; the ``sgl_kernel`` ones stay stand-ins in both, and the JSON
+records the kernel packages and every stand-in that ran) with CUDA graphs and the overlap scheduler on and the
 same ``--mem-fraction-static``, drives it with SGLang's own client, ``python -m sglang.bench_serving
 --backend sglang --dataset-name random-ids`` (fixed lengths, one seed, so every server gets the same
 prompts), once per concurrency, and records what the client reports (output tokens/s, TPOT p50/p99,
@@ -47,6 +49,8 @@ from typing import Any, Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "scripts"))
+import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
 from tiny_server_gpu import Server, http, machine_info, parse_log  # noqa: E402
 
@@ -211,7 +215,7 @@ def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float)
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
     if a.topk_churn:
         env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
-    server = Server(res["args"], out_dir / f"server_{kind}.log", env)
+    server = Server(res["args"], out_dir / f"server_{kind}.log", env, kernels=a.kernels)
     res["command"] = shlex.join(server.cmd)
     try:
         res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
@@ -261,6 +265,7 @@ def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float)
             print(f"[bench_serving_dsa] {kind} c={conc}: {json.dumps(point)[:600]}", flush=True)
         info = http("GET", server.url + "/server_info", timeout=60)
         res["kv_offload_end"] = (info.get("internal_states") or [{}])[0].get("kv_offload")
+        res["standins_called"] = parse_log(server.log_text())["standins_called"]
         res["ok"] = all("error" not in p for p in res["points"])
     except (
         RuntimeError,
@@ -331,6 +336,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "window, this fraction of the rest changing per step; the same in every server); 0: the "
         "raw random top-k",
     )
+    tiny_server.add_kernels_argument(p)
     p.add_argument("--profile-concurrency", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--deadline-s", type=float, default=570)
@@ -342,8 +348,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    _, env = tiny_server.build_command([], kernels=a.kernels)
     report: Dict[str, Any] = {
         "machine": machine_info(),
+        "kernels": tiny_server.kernel_report(env),
         "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "model": {"kind": a.model, "overrides": model_overrides(a)},
         "workload": {

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """The tiny real DeepSeek-V3.2 server on one GPU, ``--enable-kv-offload`` off vs on.
 
-One command on the lent GPU machine (after ``source scripts/gpu_env.sh``)::
+One command on the lent GPU machine (after ``source scripts/gpu_env.sh production|standins``)::
 
-    python3 benchmark/kv_offload/tiny_server_gpu.py --out results.json [--configs topk256,topk2048]
+    python3 benchmark/kv_offload/tiny_server_gpu.py --out results.json [--configs topk256,topk2048] \
+        [--kernels production|standins]
 
 For each config (a model ``index_topk`` override and a ``sparse_slots_per_req`` near it, so that the
 GPU LRU evicts and reloads at 32K contexts) it starts the REAL ``python -m sglang.launch_server``
-through ``scripts/tiny_server.py`` (tiny random-weight model; the binary kernels the GPU box lacks run
-as the torch references of ``test/srt/kv_offload/standins/kv_offload_standins.py``) with CUDA graphs
+through ``scripts/tiny_server.py`` (tiny random-weight model; ``--kernels production``: FlashMLA,
+DeepGEMM and 0.5.23's JIT kernels with the fp8 KV cache, ``standins``: their torch references of
+``test/srt/kv_offload/standins/kv_offload_standins.py``; the ``sgl_kernel`` ones stay stand-ins in
+both, and the JSON records the kernel packages and every stand-in that ran) with CUDA graphs
 and the overlap scheduler on (upstream defaults), first without and then with ``--enable-kv-offload``,
 and for each server:
 
@@ -76,6 +79,7 @@ CONFIGS: Dict[str, Tuple[Optional[int], int]] = {
     "topk2048": (None, 4096),
 }
 
+STANDIN_RE = re.compile(r"\[standin\] pid \d+ first call: (\w+)")
 DECODE_RE = re.compile(
     r"Decode batch.*?#running-req: (\d+),.*?(?:cuda|cpu) graph: (\w+), "
     r"gen throughput \(token/s\): ([\d.]+), #queue-req: (\d+)"
@@ -131,12 +135,21 @@ def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 60
 class Server:
     """``scripts/tiny_server.py`` in its own process group, log to a file."""
 
-    def __init__(self, args: List[str], log_path: Path, env_extra: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        args: List[str],
+        log_path: Path,
+        env_extra: Optional[Dict[str, str]] = None,
+        kernels: Optional[str] = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd, env = tiny_server.build_command(["--port", str(self.port)] + args)
+        cmd, env = tiny_server.build_command(["--port", str(self.port)] + args, kernels=kernels)
         env["PYTHONUNBUFFERED"] = "1"
+        # Each stand-in logs its first call ("[standin] pid N first call: NAME"): parse_log reports
+        # which ran, so a production-kernel run shows the sgl_kernel ones that remain.
+        env["KV_OFFLOAD_STANDINS_TRACE"] = "1"
         env.update(env_extra or {})
         self.cmd = cmd
         self._log = open(log_path, "w")
@@ -246,6 +259,7 @@ def parse_log(text: str) -> Dict[str, Any]:
         ln.split("kv_offload: ", 1)[1] for ln in text.splitlines() if "kv_offload: step" in ln
     ]
     errors = [ln for ln in text.splitlines() if "kv offload plan error" in ln or "Traceback" in ln]
+    standins = sorted(set(STANDIN_RE.findall(text)))
     return {
         "decode_lines": lines,
         "step_ms_by_batch": by_batch,
@@ -254,6 +268,7 @@ def parse_log(text: str) -> Dict[str, Any]:
         "all_decode_lines_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
         "kv_offload_status_lines": kv_lines[-5:],
         "error_lines": errors[:20],
+        "standins_called": standins,
     }
 
 
@@ -282,11 +297,13 @@ def run_server(
     env_extra: Optional[Dict[str, str]] = None,
     concurrent: bool = True,
     batched: Optional[List[List[int]]] = None,
+    kernels: Optional[str] = None,
 ) -> Dict[str, Any]:
     res: Dict[str, Any] = {"name": name, "args": server_args, "env": env_extra or {}, "ok": False}
     log_path = out_dir / f"server_{name}.log"
     t0 = time.time()
-    server = Server(server_args, log_path, env_extra)
+    server = Server(server_args, log_path, env_extra, kernels=kernels)
+    res["command"] = server.cmd
     try:
         res["startup_s"] = server.wait_ready(max(30.0, min(420.0, deadline - time.time() - 60)))
         # Warm-up; retried, because a failed first request is a finding to report, not a reason to
@@ -524,8 +541,8 @@ print("PREFLIGHT_JSON " + json.dumps(report))
 """
 
 
-def preflight(timeout: float) -> Dict[str, Any]:
-    _, env = tiny_server.build_command([])
+def preflight(timeout: float, kernels: Optional[str] = None) -> Dict[str, Any]:
+    _, env = tiny_server.build_command([], kernels=kernels)
     t0 = time.time()
     try:
         proc = subprocess.run(
@@ -631,6 +648,7 @@ def main() -> None:
         "flag-on server's GPU staging rows at once, or it admits them in a different order",
     )
     p.add_argument("--no-preflight", action="store_true")
+    tiny_server.add_kernels_argument(p)
     p.add_argument("--only", choices=["off", "on"], default=None, help="run one side only")
     p.add_argument(
         "--race-delay-cycles",
@@ -655,8 +673,10 @@ def main() -> None:
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    _, env = tiny_server.build_command([], kernels=a.kernels)
     report: Dict[str, Any] = {
         "machine": machine_info(),
+        "kernels": tiny_server.kernel_report(env),
         "workload": {
             "num_requests": a.num_requests,
             "context_lengths": [len(x) for x in prompts],
@@ -672,11 +692,7 @@ def main() -> None:
             "chunked_prefill_size": a.chunked_prefill_size,
             "cuda_graph_max_bs": a.max_running,
             "overlap_scheduler": "default (on)",
-            "env": {
-                k: v
-                for k, v in tiny_server.server_env().items()
-                if k.startswith(("SGLANG_", "KV_OFFLOAD"))
-            },
+            "env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "KV_OFFLOAD"))},
         },
         "configs": [],
     }
@@ -685,7 +701,7 @@ def main() -> None:
         out_path.write_text(results_json(report))
 
     if not a.no_preflight:
-        report["preflight"] = preflight(timeout=min(300.0, deadline - time.time()))
+        report["preflight"] = preflight(min(300.0, deadline - time.time()), a.kernels)
         save()
         print("[tiny_server_gpu] preflight:", json.dumps(report["preflight"])[:3000], flush=True)
     for name in [c for c in a.configs.split(",") if c]:
@@ -718,7 +734,7 @@ def main() -> None:
                 f"{name}_{side}", server_args(topk, slots, offload, a), prompts,
                 a.max_new_tokens, out_dir, deadline, a.sequential_requests,
                 env_extra=env_extra, concurrent=not a.race_delay_cycles,
-                batched=None if a.race_delay_cycles else batched,
+                batched=None if a.race_delay_cycles else batched, kernels=a.kernels,
             )  # fmt: skip
             r = entry[side]
             print(

@@ -58,45 +58,70 @@ def assert_row_bytes(state: Dict, row_bytes: int) -> None:
 # ZMQ's random ports), so no port another component picks can be one of ours.
 HARNESS_PORTS = range(10000, 15000)
 MOONCAKE_RPC_PORTS = range(15000, 18000)
+# Ports upstream derives from a server's --port under attention DP (its ZMQ sockets go over TCP
+# then): the DP controller's handshake (+13, DP_ATTENTION_HANDSHAKE_PORT_DELTA) and the dist-init
+# port with the six ZMQ sockets after it (+233..+239, ZMQ_TCP_PORT_DELTA). Every server's port is
+# reserved with them (DP or not: cheap, and no argument parsing); otherwise another harness port
+# can be one of them, and whichever process binds it second dies (seen in CI: a prefill server
+# whose HTTP port was a DP decode server's ZMQ socket exited with uvicorn's code 3).
+SERVER_PORT_OFFSETS = (0, 13, *range(233, 240))
 # One lock file per port: a port is reserved while some process holds an flock on its file (the
-# kernel drops it when that process dies, kill -9 included), so harness processes started side by
-# side (pytest sessions, benchmarks, soak runs) never hand out the same port.
+# kernel drops it when that process dies, kill -9 included), so harness processes started side
+# by side (pytest sessions, benchmarks, soak runs) never hand out the same port. flock conflicts
+# between two opens of one file in one process too, so this process never hands it out twice.
 PORT_LOCK_DIR = Path("/tmp/kv-offload-ports")
-_RESERVED: Dict[int, int] = {}  # port -> fd of its locked file, held until release_port
+_RESERVED: Dict[int, List[int]] = {}  # port -> fds of its block's locked files, until release_port
 
 
-def free_port(candidates: Sequence[int] = HARNESS_PORTS) -> int:
-    """A TCP port reserved for this process until :func:`release_port` (or its exit).
+def free_port(candidates: Sequence[int] = HARNESS_PORTS, offsets: Sequence[int] = (0,)) -> int:
+    """A TCP port ``p`` reserved, with ``p + o`` for each of ``offsets``, for this process until
+    :func:`release_port` (or its exit).
 
-    Reserved, not guessed: the port is bindable now, and no harness process (this one or another)
-    hands it out again while the reservation lasts, so the server given it can bind it however
-    late it starts. Raises RuntimeError if every candidate is bound or reserved.
+    Reserved, not guessed: every port of the block is among ``candidates`` and bindable now, and
+    no harness process (this one or another) hands one out again while the reservation lasts, so
+    the server given them can bind them however late it starts. Raises RuntimeError if no
+    candidate's block is free.
     """
     PORT_LOCK_DIR.mkdir(exist_ok=True)
-    for port in random.Random().sample(list(candidates), len(candidates)):
-        if port in _RESERVED:
-            continue
-        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        if _bindable(port):
-            _RESERVED[port] = fd
-            return port
-        os.close(fd)  # in use by a process outside the harness: leave it
+    allowed = set(candidates)
+    for port in random.Random().sample(sorted(allowed), len(allowed)):
+        block = [port + o for o in offsets]
+        if all(p in allowed for p in block):
+            fds = _lock_all(block)
+            if fds is not None:
+                _RESERVED[port] = fds
+                return port
     raise RuntimeError(
-        f"no free TCP port among {len(candidates)} candidates: all bound or reserved by other "
-        f"harness processes (locks in {PORT_LOCK_DIR}); stop stray servers and retry"
+        f"no free TCP port (with offsets {list(offsets)}) among {len(allowed)} candidates: all "
+        f"bound or reserved by other harness processes (locks in {PORT_LOCK_DIR}); stop stray "
+        "servers and retry"
     )
 
 
 def release_port(port: int) -> None:
-    """End the reservation of ``port`` (once the process that bound it has exited)."""
-    fd = _RESERVED.pop(port, None)
-    if fd is not None:
+    """End the reservation of ``port`` and its block (once the process that bound them exited)."""
+    for fd in _RESERVED.pop(port, ()):
         os.close(fd)
+
+
+def _lock_all(ports: Sequence[int]) -> Optional[List[int]]:
+    """The fds of ``ports``' lock files, all locked, or None (and none kept) if some port is
+    reserved by a harness process or not bindable."""
+    fds: List[int] = []
+    for port in ports:
+        fd = os.open(PORT_LOCK_DIR / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            break
+        if not _bindable(port):  # in use by a process outside the harness: leave it
+            break
+    else:
+        return fds
+    for fd in fds:
+        os.close(fd)
+    return None
 
 
 def _bindable(port: int) -> bool:
@@ -160,14 +185,17 @@ class TinyServer:
     """One ``python -m sglang.launch_server`` process tree on the tiny model."""
 
     def __init__(self, args: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None):
-        self.port = free_port()
+        self.port = free_port(offsets=SERVER_PORT_OFFSETS)
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.log_path = log_path
         # The dist (NCCL/gloo) port too: upstream would pick one itself, unreserved.
         self.nccl_port = free_port()
         ports = ["--port", str(self.port), "--nccl-port", str(self.nccl_port)]
-        self._cmd, self._env = tiny_server.build_command(self.args + ports)
+        # An idle scheduler waits on its sockets (1 s at most) instead of spinning a core: the
+        # suites run several servers side by side on a 2-core machine. Only when fully idle, so
+        # batches and pending PD transfers run as without it.
+        self._cmd, self._env = tiny_server.build_command(self.args + ports + ["--sleep-on-idle"])
         # One intra-op thread: the suite runs twin servers side by side on a 2-core machine.
         self._env.setdefault("OMP_NUM_THREADS", "1")
         # ``/health`` answers without running a one-token generation: a poll that times out on a
@@ -224,7 +252,12 @@ class TinyServer:
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
+        """The log's last ``n`` lines, after its earlier lines at level ERROR (a cause can be far
+        up: uvicorn's bind error, say, is followed by a long warm-up traceback)."""
+        lines = self.log().splitlines()
+        errors = [line for line in lines[:-n] if "ERROR" in line]
+        head = ["ERROR lines before the tail:", *errors, "tail:"] if errors else []
+        return "\n".join(head + lines[-n:])
 
     # ------------------------------------------------------------------ requests
     def generate(self, input_ids: List, max_new_tokens: int, rid: Optional[str] = None):

@@ -1,10 +1,14 @@
 """The serving benchmark's harness (benchmark/kv_offload/bench_serving_dsa.py) on the tiny CPU server.
 
 Two real servers (no flag, ``--enable-kv-offload``), each driven by SGLang's own ``python -m
-sglang.bench_serving`` client. Checks the harness, not speed: every request served, every field of
-each point present, the decode log read, nothing left allocated on the flag-on server.
+sglang.bench_serving`` client. Checks the harness and the flag's capacity, counts not speed: every
+request served, every field of each point present, the decode log read, nothing left allocated on
+the flag-on server, and (``bench_capacity.py serve``) the flag-on server running at least the
+flag-off server's batch at a short-prompt point and 90 % of what its tokens fit at a
+decode-dominated point.
 """
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -15,42 +19,79 @@ pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH))
 
+import bench_capacity  # noqa: E402
 import bench_serving_dsa  # noqa: E402
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import size_arena  # noqa: E402
 
-CONCURRENCY = 2
-PROMPTS = 3
+def _capacity_point(prompt_len, **over):
+    """One ``bench_capacity.py serve`` point: both servers started, every request served."""
+    args = bench_capacity.argparse.Namespace(
+        output_len=32,
+        concurrency=32,
+        prompts=64,
+        max_running=48,
+        max_total_tokens=8192,
+        chunked_prefill_size=2048,
+        slots=128,
+        topk=64,
+        point_deadline_s=1200,
+    )
+    vars(args).update(over)
+    out = Path(tempfile.mkdtemp(prefix="kvc-"))  # short: ZMQ ipc paths
+    row = bench_capacity.serve_point(args, prompt_len, out)
+    report = json.loads((out / f"{prompt_len}.json").read_text())
+    for kind in ("off", "offload"):
+        assert row[kind]["started"] and not row[kind]["error"], row
+        assert row[kind]["completed"] == args.prompts, row
+    assert row["offload"]["leak_free"], row
+    return args, row, report
 
 
-def test_harness_serves_every_request_on_both_servers():
-    out = Path(tempfile.mkdtemp(prefix="kvb-")) / "serving.json"  # short: ZMQ ipc paths
-    report = bench_serving_dsa.main(
-        [
-            "--out", str(out), "--model", "tiny", "--servers", "off,offload",
-            "--layers", "2", "--index-topk", "64", "--input-len", "1024", "--output-len", "6",
-            "--concurrency", str(CONCURRENCY), "--prompts-per-concurrency", "1",
-            "--min-prompts", str(PROMPTS), "--max-running", "4", "--max-total-tokens", "65536",
-            "--offload-config", '{"sparse_slots_per_req": 128}', "--deadline-s", "800",
-        ]
-    )  # fmt: skip
-    assert out.exists() and report["summary"].keys() == {"off", "offload"}
+def test_short_prompts_the_flag_runs_at_least_the_flag_off_batch():
+    """#47's first finding: 64 prompts of 256 tokens at concurrency 32, --max-running-requests 48,
+    the same 8192-token GPU budget. The flag-on server refused to start (a static GPU split sized
+    for 48 requests); now it starts and runs at least the flag-off server's batch. Also checks the
+    harness: every field of each point, the decode log and the stand-ins' trace read."""
+    args, row, report = _capacity_point(256)
+    off, on = row["off"], row["offload"]
+    print(f"\n[capacity] 256-token prompts: peak running {on['peak_running']} with the flag, "
+          f"{off['peak_running']} without; mean {on['mean_running']:.1f} / {off['mean_running']:.1f}")  # fmt: skip
+    assert on["peak_running"] >= off["peak_running"] >= 16, row
+    assert report["summary"].keys() == {"off", "offload"}
+    assert report["kernels"]["kernels"] == "standins"
+    assert "cpustub" in report["kernels"]["packages"]["flash_mla"]["version"]
     for server in report["servers"]:
         assert server["ok"], server.get("error") or server.get("log_tail")
-        assert server["max_total_num_tokens"] > 0
         (point,) = server["points"]
-        assert point["concurrency"] == CONCURRENCY and point["returncode"] == 0
-        assert point["completed"] == PROMPTS, point
-        assert point["total_output_tokens"] == PROMPTS * 6
+        assert point["concurrency"] == args.concurrency and point["returncode"] == 0
+        assert point["total_output_tokens"] == args.prompts * args.output_len
         missing = [k for k in bench_serving_dsa.BENCH_KEYS if point.get(k) is None]
         assert not missing, missing
         assert point["output_throughput"] > 0 and point["median_tpot_ms"] > 0
-        # The server's decode log was read: the client's concurrency shows in the batches.
-        assert 1 <= point["peak_running"] <= CONCURRENCY and point["decode_log_lines"] > 0
-    offload = report["servers"][1]
-    end = offload["kv_offload_end"]
-    assert end["admitted"] == end["released"] == PROMPTS + 1  # the client's warm-up request too
-    assert end["free"] == end["initial_free"], end
-    assert "--enable-kv-offload" in offload["args"]
+        assert 1 <= point["peak_running"] <= args.concurrency and point["decode_log_lines"] > 0
+        assert {"flash_mla_sparse_fwd", "fp8_paged_mqa_logits"} <= set(server["standins_called"])
+    end = report["servers"][1]["kv_offload_end"]
+    assert end["admitted"] == end["released"] == args.prompts + 1  # the client's warm-up too
+    assert "--enable-kv-offload" in report["servers"][1]["args"]
     assert "--enable-kv-offload" not in report["servers"][0]["args"]
+
+
+def test_decode_dominated_long_point_reaches_what_its_tokens_fit():
+    """1920-token prompts, 128 new tokens, an 8192-token GPU budget (4 such requests without the
+    flag): the flag-on server runs at least 90 % of the requests its arena fits (the product's
+    sizing code: each holds 128 sparse slots, two tail pages and its index keys), or of
+    --max-running-requests, at once."""
+    args, row, _ = _capacity_point(
+        1920, output_len=128, max_running=16, prompts=16, concurrency=16
+    )
+    off, on = row["off"], row["offload"]
+    budget = args.max_total_tokens * (1152 + 132) * 2
+    sizing = size_arena(budget, 2, 1152, 132, 64, logical_loc_bytes=4 * 2)
+    fits = bench_capacity.sizing_point(sizing, args.max_total_tokens, 2048, args.slots, 2)
+    fit = min(args.max_running, fits["flag_on_requests"])
+    print(f"\n[capacity] 1920+128 tokens: peak running {on['peak_running']} with the flag "
+          f"(its arena fits {fits['flag_on_requests']}), {off['peak_running']} without")  # fmt: skip
+    assert on["peak_running"] >= 0.9 * fit and fit >= 3 * off["peak_running"], row
 
 
 def test_trace_summary_splits_offload_kernels(tmp_path):
@@ -69,3 +110,5 @@ def test_trace_summary_splits_offload_kernels(tmp_path):
     assert s["kernel_us_per_step"] == 20 and s["offload_us_per_step"] == 5
     assert s["span_us_per_step"] == 21
     assert s["top_kernels"][0][:2] == ["gemm", 1]
+
+

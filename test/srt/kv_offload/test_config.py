@@ -9,7 +9,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVO
 # The documented defaults (docs/kv_offload.md, "Flags and defaults"), written out by hand.
 DOCUMENTED_DEFAULTS = {
     "sparse_slots_per_req": 4096,
-    "sparse_pool_slots": 0,
     "host_pool_size_gb": 0.0,
     "host_pool_ratio": 1.0,
     "pin_host_memory": True,
@@ -28,7 +27,6 @@ def test_defaults_when_absent():
 def test_values_round_trip():
     raw = {
         "sparse_slots_per_req": 8192,
-        "sparse_pool_slots": 65536,
         "host_pool_size_gb": 200,
         "pin_host_memory": False,
         "pd_direct_to_host": True,
@@ -58,8 +56,7 @@ def test_values_round_trip():
         ('{"sparse_slots_per_req": "4096"}', "must be a JSON int"),
         ('{"sparse_slots_per_req": 4096.0}', "must be a JSON int"),
         ('{"sparse_slots_per_req": true}', "must be a JSON int"),
-        ('{"sparse_pool_slots": 100}', "multiple of 64"),
-        ('{"sparse_pool_slots": 1024}', "cannot hold even one request"),
+        ('{"sparse_pool_slots": 65536}', "sparse_pool_slots is no longer used"),
         ('{"host_pool_size_gb": -1}', "must be a finite number >= 0"),
         ('{"host_pool_ratio": 0.5}', "must be >= 1"),
         ('{"host_pool_size_gb": 10, "host_pool_ratio": 2}', "set only one of them"),

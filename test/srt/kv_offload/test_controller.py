@@ -24,13 +24,18 @@ LENGTHS = [1, 63, 64, 65, 2047, 2048, 2049, 8191]
 class Tier:
     """Real pools + controller on one device, with a small request table."""
 
-    def __init__(self, row, physical, logical, host_ratio=1.0, layers=2, device="cpu"):
+    def __init__(self, row, physical, logical, host_tokens=None, layers=2, device="cpu"):
         dtype, _ = LAYOUTS[row]
         self.pool = offload_device_pool(physical, logical, layers, LAYOUTS[row], device)
-        self.alloc = KVOffloadTokenToKVPoolAllocator(
-            logical, physical, P, dtype, device, self.pool, need_sort=False
+        self.alloc = KVOffloadTokenToKVPoolAllocator(P, dtype, device, self.pool, need_sort=False)
+        # host_tokens: a host pool of that many tokens; default: one per logical token.
+        gb = None if host_tokens is None else (host_tokens * row * layers + 1) / 1e9
+        self.host = KVOffloadHostPool(
+            self.pool,
+            host_size_gb=gb or 0.0,
+            host_pool_ratio=0.0 if gb else 1.0,
+            host_reserve_bytes=0,
         )
-        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=host_ratio)
         self.cc = KVOffloadCacheController(self.alloc, self.host, debug=True)
         self.r2t = ReqToTokenPool(
             size=8, max_context_len=logical, device=device, enable_memory_saver=False
@@ -236,7 +241,7 @@ def test_abort_during_inflight_backup_frees_host_once_after_copy():
 
 
 def test_many_requests_lifecycle_no_leak():
-    t = Tier(656, physical=8192, logical=8192, host_ratio=1.0)
+    t = Tier(656, physical=8192, logical=8192)
     g = torch.Generator().manual_seed(1)
     live = {}
     for i in range(16):
@@ -268,7 +273,7 @@ def test_many_requests_lifecycle_no_leak():
 
 
 def test_host_full_defers_without_side_effects():
-    t = Tier(656, physical=1024, logical=1024, host_ratio=0.125)  # 128 host slots
+    t = Tier(656, physical=1024, logical=1024, host_tokens=128)
     locs, _ = t.admit(0, 192)
     before = t.alloc.free_counts()
     assert t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 192, tag="x") is None

@@ -62,9 +62,9 @@ class Harness:
             physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
         self.alloc = KVOffloadTokenToKVPoolAllocator(
-            logical_pages * P, physical_pages * P, P, torch.float8_e4m3fn, device, self.pool, False
+            P, torch.float8_e4m3fn, device, self.pool, False
         )
-        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=1.0)
+        self.host = KVOffloadHostPool(self.pool, host_pool_ratio=1.0, host_reserve_bytes=0)
         self.controller = KVOffloadCacheController(self.alloc, self.host, debug=debug)
         self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, device, False)
         self.sparse = SparseCacheState(
@@ -89,8 +89,29 @@ class Harness:
         self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
         self.start = self.alloc.free_counts()
         self.free_reqs = list(range(1, max_reqs + 1))
+        self.filler = []  # physical pages squeeze_physical took
         self.kv = {}  # req -> list per layer of (seq_len, ROW) uint8 truth
         self.gen = torch.Generator().manual_seed(1)
+
+    def squeeze_physical(self, rows_left: int, owed: bool = False) -> None:
+        """Take physical pages (pinned, so the arena never moves them) until the physical side can
+        get at most ``rows_left`` more rows (beyond the rows promised, with ``owed``): a physical
+        pool of that size from here on."""
+        taken = []
+        while self.alloc.fits(rows_left + P, 0, owed=owed):
+            page = self.alloc.hisparse_attn_allocator.alloc(P)
+            assert page is not None
+            taken.append(page[:1] // P)
+        if taken:
+            pages = torch.cat(taken)
+            self.alloc.arena.pin(pages.cpu().numpy())
+            self.filler.append(pages)
+
+    def release_filler(self) -> None:
+        for pages in self.filler:
+            self.alloc.arena.unpin(pages.cpu().numpy())
+            self.alloc.hisparse_attn_allocator.free_page_ids(pages)
+        self.filler = []
 
     def rand_rows(self, n):
         return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=self.gen).to(
@@ -207,9 +228,9 @@ class Harness:
     def finish_all(self):
         for r in list(self.kv):
             self.retire(r)
+        self.release_filler()
         self.coord.drain()
         assert self.alloc.free_counts() == self.start
-        assert self.sparse.allocator.available_size() == self.start["physical"]
         self.sparse.check_invariants()
         assert not self.coord.requests
 
@@ -441,16 +462,15 @@ def _prealloc_to_host(h, r, n):
     return locs
 
 
-@pytest.mark.parametrize(
-    "physical_pages, needle", [(4, "no sparse slots"), (5, "no physical page")]
-)
-def test_admit_from_host_refused_changes_nothing(physical_pages, needle):
-    # Two admitted 65-token prompts hold 2 pages each (64 slots + the tail page); a third finds
-    # no slots (4 pages) or slots but no tail page (5 pages).
-    h = Harness(physical_pages=physical_pages, buffer_slots=64)
+@pytest.mark.parametrize("rows_left, needle", [(0, "no sparse slots"), (P, "no physical page")])
+def test_admit_from_host_refused_changes_nothing(rows_left, needle):
+    # Two admitted 65-token prompts hold 2 pages each (64 slots + the tail page); with the rest of
+    # the arena taken, a third finds no slots (0 rows left) or slots but no tail page (one page).
+    h = Harness(buffer_slots=64)
     assert h.admit_from_host(65) is not None and h.admit_from_host(65) is not None
     r = h.free_reqs.pop()
     locs = _prealloc_to_host(h, r, 65)
+    h.squeeze_physical(rows_left)
     before = h.alloc.free_counts()
     with pytest.raises(RuntimeError, match=needle):
         h.coord.admit_from_host(r, 65)
@@ -592,9 +612,12 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(device):
-    # 5 physical pages; a 250-token prompt stages in 4, leaving 64 rows for its 128 slots.
-    h = Harness(physical_pages=5, buffer_slots=128, max_reqs=2, device=device)
+    # A 250-token prompt staged in 4 pages, and 64 rows left in the arena for its 128 slots.
+    h = Harness(buffer_slots=128, max_reqs=2, device=device)
+    real_admit = h.coord.admit
+    h.coord.admit = lambda r, n: (h.squeeze_physical(P), real_admit(r, n))
     assert h.admit(250)
+    h.coord.admit = real_admit
     (r,) = h.kv
     assert h.coord.requests[r].has_slots, "slots taken from its own backed-up pages"
     assert h.coord.stats["forced_backups"] == 1
@@ -702,26 +725,41 @@ def test_gpu_scheduler_step_and_forward_side_never_sync_the_device():
     assert h.alloc.free_counts() == h.start
 
 
-def _prompt(n, req_pool_idx=None):
-    """What the prefill gate reads of a request: its prompt and its request row, if any."""
+def _prompt(n, req_pool_idx=None, max_new=None):
+    """What the prefill gate and prepare_extend read of a request: its prompt, its request row
+    (if any) and its most new tokens."""
     from types import SimpleNamespace
 
-    kv = SimpleNamespace(req_pool_idx=req_pool_idx)
-    return SimpleNamespace(kv=kv, full_untruncated_fill_ids=[0] * n, prefix_len=0)
+    kv = SimpleNamespace(req_pool_idx=req_pool_idx, kv_allocated_len=n)
+    params = SimpleNamespace(max_new_tokens=max_new)
+    return SimpleNamespace(
+        kv=kv,
+        full_untruncated_fill_ids=[0] * n,
+        origin_input_ids=[0] * n,
+        prefix_len=0,
+        sampling_params=params,
+    )
+
+
+def _batch(reqs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(reqs=reqs)
 
 
 def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
-    """A prompt prefilled in an earlier batch holds its request row and staged rows but no promise
-    until its first decode step admits it; the gate must count its slots too, or a later batch
-    takes the rows its slots need (seen on the H200: requests left without slots, forced backups,
-    two prompts held back a whole wave)."""
+    """A prompt prefilled in an earlier batch holds its request row and staged rows, and is promised
+    its rows from its prefill (prepare_extend) until its first decode step admits it; the gate
+    counts that promise, or a later batch takes the rows its slots need (seen on the H200:
+    requests left without slots, forced backups, two prompts held back a whole wave)."""
     from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
 
-    h = Harness(physical_pages=12, buffer_slots=64)
+    h = Harness(buffer_slots=64)
     gate = KVOffloadRuntime(h.coord, h.r2t)
-    promise = h.coord.rows_promised  # 64 slots + 2 tail pages = 192 rows
+    promise = h.coord.promise_rows(128 + 16)  # sparse: 64 slots + 2 tail pages = 192 rows
+    assert promise == 64 + 2 * P and h.coord.promise_rows(48) == P  # resident: its context
 
-    def stage(n):  # a prefill batch: the request row and the prompt's logical + physical rows
+    def stage(n):  # a prefill batch: the request row, the prompt's rows, the promise
         r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
         h.r2t.free_slots.remove(r)
         seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
@@ -729,24 +767,26 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
         h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
         h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
         h.write_rows(locs, h.kv[r])
+        gate.prepare_extend(_batch([_prompt(n, r, max_new=16)]))
         return r
 
-    free = h.alloc.physical_available_size()
     a = stage(128)
-    assert h.alloc.physical_available_size() == free - 128
-    # New prompt: 128 staged + its promise + the promise of `a`, which no step admitted yet.
-    assert gate.can_stage_prefill(_prompt(128), []) == (free - 128 >= 128 + 2 * promise)
+    assert h.coord.owed_rows() == promise
+    # Room for exactly one more staged prompt and both promises.
+    h.squeeze_physical(2 * (128 + promise) - 128, owed=True)
+    assert gate.can_stage_prefill(_prompt(128, max_new=16), [])
     b = stage(128)
-    left = h.alloc.physical_available_size()
-    assert left >= 128 + promise  # what the gate saw before: it would have let this one in
-    assert left < 128 + 3 * promise and not gate.can_stage_prefill(_prompt(128), [])
+    assert not gate.can_stage_prefill(_prompt(128, max_new=16), [])
     assert h.coord.stats["prefill_waits"] == 1
+    # A short request that stays resident needs only its context's page, which is still there.
+    assert gate.can_stage_prefill(_prompt(48, max_new=16), [])
     # Their first decode step admits them (promised, slots granted, backups started); once the
     # backups complete their staged rows are free again and the prompt fits.
     for r in (a, b):
         h.coord.admit(r, 128)
+        assert not h.coord.requests[r].resident and h.coord.requests[r].has_slots
     h.coord.drain()
-    assert gate.can_stage_prefill(_prompt(128), [])
+    assert gate.can_stage_prefill(_prompt(128, max_new=16), [])
     h.finish_all()
 
 

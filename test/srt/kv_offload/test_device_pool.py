@@ -4,14 +4,12 @@ import pytest
 import torch
 from _pools import offload_device_pool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from sglang.srt.mem_cache.sparsity.kv_offload.arena import MIN_UNITS, plan_arena
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
-    index_bytes_per_logical_token,
     index_row_bytes,
-    kv_bytes_per_physical_slot,
     kv_row_bytes,
-    physical_slots_needed,
-    split_gpu_budget,
+    size_arena,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 
@@ -23,8 +21,8 @@ BF16 = (torch.bfloat16, 576)
 def make(layers=2, dtype_dim=FP8, physical=256, logical=1024, host_ratio=1.0):
     dtype, _ = dtype_dim
     pool = offload_device_pool(physical, logical, layers, dtype_dim)
-    alloc = KVOffloadTokenToKVPoolAllocator(logical, physical, P, dtype, "cpu", pool, False)
-    host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio)
+    alloc = KVOffloadTokenToKVPoolAllocator(P, dtype, "cpu", pool, False)
+    host = KVOffloadHostPool(pool, host_pool_ratio=host_ratio, host_reserve_bytes=0)
     alloc.register_host_pool(host)
     return pool, alloc, host
 
@@ -38,78 +36,62 @@ def extend(alloc, lens, prefix=None):
     return alloc.alloc_extend(pre, pre, seq, seq, last, int((seq - pre).sum()))
 
 
-def test_sizing_deepseek_v32():
-    layers = 61
-    assert index_bytes_per_logical_token(layers, 132) == 132 * 61
-    assert index_bytes_per_logical_token(layers, 136) == 8_296
-    assert kv_bytes_per_physical_slot(656, layers) == 40_016
-    assert kv_bytes_per_physical_slot(1152, layers) == 70_272
-    assert kv_row_bytes(656, torch.uint8) == 656 and kv_row_bytes(576, torch.bfloat16) == 1152
-    # bs 128, 4096 slots, 32K staging: 128 * (4096 + 2 * 64) + 32768 = 540_672 + 32_768 = 573_440;
-    # one staging token more rounds up to a whole page: + 64.
-    assert physical_slots_needed(128, 4096, staging_tokens=32768) == 573_440
-    assert physical_slots_needed(128, 4096, staging_tokens=32768 + 1) == 573_504
-    # 4033 sparse slots round up to 4096: 128 * (4096 + 128) + 0 = 540_672.
-    assert physical_slots_needed(128, 4033, staging_tokens=0) == 540_672
-
-    # logical = floor64((budget - phys * R * L) / (idx * L)), worked by hand for a 60 GB budget:
-    budget, phys = 60 * 10**9, 573_440
-    # fp8 rows (R = 656): kv = 573_440 * 656 * 61 = 376_176_640 * 61 = 22_946_775_040 B,
-    # left = 60_000_000_000 - 22_946_775_040 = 37_053_224_960 B.
-    #   idx 136 (8_296 B/token): 37_053_224_960 / 8_296 = 4_466_396.45 -> floor64 = 69_787 * 64
-    #     = 4_466_368 (docs: "4.47 M tokens"); 4_466_368 * 8_296 = 37_052_988_928 <= left.
-    #   idx 132 (8_052 B/token): 37_053_224_960 / 8_052 = 4_601_741.80 -> 71_902 * 64 = 4_601_728.
-    # bf16 rows (R = 1152): kv = 573_440 * 1152 * 61 = 660_602_880 * 61 = 40_296_775_680 B,
-    # left = 19_703_224_320 B.
-    #   idx 136: 19_703_224_320 / 8_296 = 2_375_027.04 -> 37_109 * 64 = 2_374_976.
-    #   idx 132: 19_703_224_320 / 8_052 = 2_446_997.56 -> 38_234 * 64 = 2_446_976.
-    cases = [
-        (656, 136, 22_946_775_040, 4_466_368),
-        (656, 132, 22_946_775_040, 4_601_728),
-        (1152, 136, 40_296_775_680, 2_374_976),
-        (1152, 132, 40_296_775_680, 2_446_976),
-    ]
-    for row, idx, kv_bytes, logical in cases:
-        s = split_gpu_budget(budget, layers, row, phys, index_row_bytes=idx)
-        assert (s.logical_tokens, s.physical_slots) == (logical, phys), (row, idx)
-        assert s.kv_bytes == kv_bytes and s.index_bytes == logical * idx * 61, (row, idx)
-        assert s.total_bytes <= budget < s.total_bytes + P * idx * 61, (row, idx)
+@pytest.mark.parametrize("row", [656, 1152])
+def test_arena_sizing_deepseek_v32(row):
+    """61 layers, a 60 GB budget: the arena holds what upstream gives the same bytes (tokens that
+    stay on the GPU, KV and index keys), less the LRU's 4 B per logical loc and layer, and about
+    (R + 132) / 136 times as many logical tokens."""
+    layers, budget, idx = 61, 60 * 10**9, 132
+    flag_off = budget // ((row + idx) * layers)  # upstream's max_total_num_tokens
+    s = size_arena(budget, layers, row, idx, P, logical_loc_bytes=4 * layers)
+    layout = s.layout
+    lcm_pages = {656: 33, 1152: 11}[row]  # lcm(64 R, 64 x 132) / (64 R): no index byte wasted
+    assert layout.unit_pages == lcm_pages and layout.logical_pages_per_unit * 64 * idx == (
+        lcm_pages * 64 * row
+    )
+    ids = layout.index_pages * P  # every logical loc the index view spans has LRU state
+    assert s.arena_bytes + ids * 4 * layers <= budget
+    assert budget - (s.arena_bytes + ids * 4 * layers) < (layout.unit_bytes + 4 * ids / layers) * layers
+    # Resident: the LRU state is the only cost beyond upstream's (4 / 136 of the arena).
+    assert 0.96 * flag_off <= layout.resident_tokens <= flag_off
+    # Offloaded: 136 B per token and layer instead of R + 132.
+    assert s.logical_tokens >= 0.999 * budget / ((idx + 4) * layers) - layout.unit_bytes
+    assert s.logical_tokens / flag_off > (row + idx) / 136 * 0.99
+    assert s.physical_rows * row * layers <= s.arena_bytes
     # The NSA index row: 128 B fp8 keys + one 4 B scale per 128-dim block.
     assert index_row_bytes(128) == 132 and index_row_bytes(256) == 264
-    # Physical slots round up to a page: 573_441 -> 573_504; kv = 573_504 * 40_016 =
-    # 22_949_336_064, left = 37_050_663_936, / 8_296 = 4_466_087.7 -> 69_782 * 64 = 4_466_048.
-    s = split_gpu_budget(budget, layers, 656, phys + 1, index_row_bytes=136)
-    assert (s.physical_slots, s.logical_tokens, s.kv_bytes) == (573_504, 4_466_048, 22_949_336_064)
-    # Too small: the KV rows take the whole budget, or leave less than a page of index keys.
-    with pytest.raises(ValueError, match="too small.*physical KV slots"):
-        split_gpu_budget(22_946_775_040, layers, 656, phys, index_row_bytes=136)
-    with pytest.raises(ValueError, match="too small.*physical KV slots"):
-        split_gpu_budget(22_946_775_040 + 63 * 8_296, layers, 656, phys, index_row_bytes=136)
-    s = split_gpu_budget(22_946_775_040 + 64 * 8_296, layers, 656, phys, index_row_bytes=136)
-    assert s.logical_tokens == 64
+    assert kv_row_bytes(656, torch.uint8) == 656 and kv_row_bytes(576, torch.bfloat16) == 1152
+
+
+def test_small_arena_keeps_units_fine_and_refuses_less_than_two_pages():
+    layout = plan_arena(8192 * (1152 + 132), 1152, 132, P)  # the CPU tiny server's budget
+    assert layout.num_units >= MIN_UNITS and layout.layer_bytes <= 8192 * (1152 + 132)
+    assert layout.physical_pages == 8192 * (1152 + 132) // (P * 1152)  # every byte usable as rows
+    with pytest.raises(ValueError, match="fewer than two KV pages"):
+        plan_arena(P * 656 + 1, 656, 132, P)
 
 
 @pytest.mark.parametrize("dtype_dim,row", [(FP8, 656), (BF16, 1152)])
-def test_allocated_bytes_match_formulas(dtype_dim, row):
-    layers, phys, logical = 3, 256, 2048
-    pool, alloc, _ = make(layers, dtype_dim, phys, logical)
-    got = pool.allocated_bytes()
+def test_kv_rows_and_index_pages_are_views_of_one_arena(dtype_dim, row):
+    layers = 3
+    pool, alloc, _ = make(layers, dtype_dim, 256, 2048)
+    layout = pool.sizing.layout
     assert pool.row_bytes == row
-    assert got["kv"] == (phys + P) * row * layers  # + the padding page (slot 0 is a dummy)
-    assert got["index"] == ((logical + P + 1) // P) * P * 132 * layers
-    assert pool.get_cell_size_per_token() == {"logical": 132 * layers, "physical": row * layers}
-    # the same shapes upstream DSATokenToKVPool gives an all-on-GPU pool of `logical` tokens
-    ref = DSATokenToKVPool(
-        logical, P, 512, dtype_dim[0], 64, layers, "cpu", 128, False, dtype_dim[1]
-    )
-    assert sum(b.nbytes for b in ref.index_k_with_scale_buffer) == got["index"]
-    assert pool.device_row_view(1).shape == (phys + P, row)
-    assert alloc.logical_size == logical and alloc.physical_size == phys
+    for i in range(layers):
+        arena = pool.arenas[i]
+        assert arena.numel() == layout.layer_bytes
+        kv, index = pool.kv_buffer[i], pool.index_k_with_scale_buffer[i]
+        assert kv.data_ptr() == index.data_ptr() == arena.data_ptr()
+        assert kv.nbytes == layout.physical_pages * P * row <= arena.numel()
+        assert index.shape == (layout.index_pages, P * 132) and index.nbytes <= arena.numel()
+    assert pool.device_row_view(1).shape == (layout.physical_pages * P, row)
+    assert alloc.logical_size == (layout.index_pages - 1) * P
+    assert alloc.physical_size == layout.max_physical_pages * P
 
 
 def test_loc_to_host_table_and_mapping_are_shared():
     pool, alloc, _ = make()
-    assert alloc.loc_to_host.shape == (1024 + P + 1,)
+    assert alloc.loc_to_host.shape == (alloc.logical_size + P + 1,)
     assert (alloc.loc_to_host == -1).all()
     locs = extend(alloc, [100])
     alloc.set_host_locs(locs[:64], torch.arange(64) + 640)
@@ -122,12 +104,14 @@ def test_loc_to_host_table_and_mapping_are_shared():
 
 def test_decode_tail_gets_physical_rows_and_crosses_pages():
     pool, alloc, host = make(physical=256, logical=1024)
+    start = alloc.free_counts()
     mapping = alloc.full_to_hisparse_device_index_mapping
     locs = extend(alloc, [64])  # one full prompt page
     # the prompt page is backed up and its physical page released
     alloc.set_host_locs(locs, host.alloc(P))
     alloc.release_physical(locs)
-    assert (mapping[locs] == 0).all() and alloc.physical_available_size() == 256
+    assert (mapping[locs] == 0).all()
+    assert alloc.physical_available_size() == start["physical"]
     seq_locs = list(locs)
     for step in range(70):
         seq_len = 64 + step + 1
@@ -138,21 +122,27 @@ def test_decode_tail_gets_physical_rows_and_crosses_pages():
         assert ph > 0 and ph % P == (seq_len - 1) % P
         if seq_len % P != 1:
             assert ph == int(mapping[seq_locs[-2]]) + 1  # same physical page as the previous token
-    assert alloc.physical_available_size() == 256 - 2 * P
+    assert alloc.physical_available_size() == start["physical"] - 2 * P
     alloc.free(torch.tensor(seq_locs))
-    assert alloc.free_counts() == {"logical": 1024, "physical": 256, "host": host.size}
+    assert alloc.free_counts() == start
     assert (alloc.loc_to_host == -1).all() and (mapping[:-1] == 0).all()
 
 
-def test_alloc_decode_fails_without_side_effects_when_physical_is_full():
+def test_alloc_decode_fails_without_side_effects_when_the_arena_is_full():
     pool, alloc, _ = make(physical=192, logical=1024)
-    a = torch.cat([extend(alloc, [64]), extend(alloc, [64])])  # one physical page left
+    start = alloc.free_counts()
+    prompts = []
+    while (locs := extend(alloc, [64])) is not None:  # whole arena: rows + index keys
+        prompts.append(locs)
+    a = torch.cat(prompts[-2:])
     before = alloc.free_counts()
-    assert before["physical"] == P and before["logical"] == 1024 - 2 * P
-    seq = torch.tensor([65, 65])  # both start a new page: two needed
+    seq = torch.tensor([65, 65])  # both start a new page
     out = alloc.alloc_decode(seq, seq, a.view(2, P)[:, -1].contiguous())
     assert out is None
     assert alloc.free_counts() == before
+    assert len(prompts) * P >= 0.9 * pool.sizing.layout.resident_tokens  # no unit left idle
+    alloc.free(torch.cat(prompts))
+    assert alloc.free_counts() == start
 
 
 def test_free_returns_host_slots_page_granular():
@@ -173,9 +163,7 @@ def test_free_returns_host_slots_page_granular():
     assert alloc.free_counts() == start
 
 
-def test_bad_sizes():
-    with pytest.raises(ValueError, match="multiple of page_size 64"):
-        make(physical=100)
+def test_free_without_a_host_pool_names_the_fix():
     _, alloc, _ = make()
     alloc.host_pool = None
     locs = extend(alloc, [64])

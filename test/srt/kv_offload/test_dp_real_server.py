@@ -19,7 +19,6 @@ from _real_server import started
 pytestmark = pytest.mark.slow
 
 DP = rs.TP + ["--attn-dp-size", "2"]
-DP_SPARSE_POOL = rs.RUNNING * (rs.SLOTS + 2 * rs.PAGE) + 4 * rs.CONTEXT
 
 
 class TestAttentionDP:
@@ -46,7 +45,7 @@ class TestAttentionDP:
             rs.COMMON
             + rs.context(rs.CONTEXT)
             + rs.LARGE_GPU
-            + rs.offload(sparse_pool_slots=DP_SPARSE_POOL)
+            + rs.offload()
             + DP
         )
         specs = (

@@ -40,13 +40,14 @@ def test_sizing_formulas_deepseek_v32():
 @pytest.mark.parametrize("dtype_dim,row", [(FP8, 656), (BF16, 1152)])
 def test_real_pool_bytes_per_token_61_layers(dtype_dim, row):
     pool = device_pool(layers=61, dtype_dim=dtype_dim, physical=64, logical=128)
-    host = KVOffloadHostPool(pool, host_pool_ratio=1)
+    host = KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=0)
+    n = pool.sizing.logical_tokens  # the arena's logical tokens when every unit is logical
     assert host.get_size_per_token() == row * 61 == host.size_per_token
     assert host.row_bytes == row
-    assert host.size == 128
-    assert tuple(host.kv_buffer.shape[:2]) == (61, 128)
-    assert host.kv_buffer.nbytes == 128 * row * 61
-    assert host.host_row_view(60).shape == (128, row)
+    assert host.size == n >= 128
+    assert tuple(host.kv_buffer.shape[:2]) == (61, n)
+    assert host.kv_buffer.nbytes == n * row * 61
+    assert host.host_row_view(60).shape == (n, row)
 
 
 @pytest.mark.parametrize("dtype_dim", [FP8, BF16])
@@ -74,8 +75,9 @@ def test_layout_and_row_view_share_memory(dtype_dim):
 
 def test_ratio_is_relative_to_logical_capacity():
     pool = device_pool(physical=256, logical=1024)
-    host = KVOffloadHostPool(pool, host_pool_ratio=1.5)
-    assert host.size == 1536  # not physical * ratio
+    host = KVOffloadHostPool(pool, host_pool_ratio=1.5, host_reserve_bytes=0)
+    # The arena's logical tokens when every unit is logical, not what either side holds now.
+    assert host.size == int(pool.sizing.logical_tokens * 1.5) // P * P
 
 
 def test_alloc_is_page_aligned_after_churn():

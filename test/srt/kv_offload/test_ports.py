@@ -1,15 +1,17 @@
 """The harness's ports (``_real_server.free_port``): reserved across processes, never guessed.
 
 Servers, their NCCL/gloo ports, the PD bootstrap port and the load balancer's all come from
-``free_port``. A port stays reserved (an flock on its file) until ``release_port`` or the exit of
-the process that reserved it, and the harness's range is disjoint from every range another
-component picks ports from on its own.
+``free_port``; a server's port comes with the ports upstream derives from it under attention DP.
+A port stays reserved (an flock on its file) until ``release_port`` or the exit of the process that
+reserved it, and the harness's range is disjoint from every range another component picks ports
+from on its own.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +19,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _real_server import HARNESS_PORTS, MOONCAKE_RPC_PORTS, free_port, release_port
+from _real_server import (
+    HARNESS_PORTS,
+    MOONCAKE_RPC_PORTS,
+    SERVER_PORT_OFFSETS,
+    free_port,
+    release_port,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -96,6 +104,59 @@ def test_a_port_bound_outside_the_harness_is_skipped():
         busy = s.getsockname()[1]
         with pytest.raises(RuntimeError, match="no free TCP port"):
             free_port([busy])
+
+
+def test_a_servers_derived_ports_are_reserved_with_it():
+    port = free_port(offsets=SERVER_PORT_OFFSETS)
+    try:
+        assert all(port + o in HARNESS_PORTS for o in SERVER_PORT_OFFSETS)
+        for offset in SERVER_PORT_OFFSETS:
+            out, _ = reserve_in_child([port + offset]).communicate(timeout=60)
+            assert out.startswith("refused:"), (offset, out)
+    finally:
+        release_port(port)
+    out, _ = reserve_in_child([port + SERVER_PORT_OFFSETS[-1]]).communicate(timeout=60)
+    assert out.strip() == str(port + SERVER_PORT_OFFSETS[-1])
+
+
+def test_a_block_with_one_port_taken_is_skipped_and_leaves_nothing_locked():
+    start = HARNESS_PORTS.start + 100
+    holder = reserve_in_child([start + 13], hold=True)
+    assert int(holder.stdout.readline()) == start + 13
+    try:
+        with pytest.raises(RuntimeError, match="no free TCP port"):
+            free_port(range(start, start + 14), offsets=(0, 13))
+        assert free_port([start]) == start  # the failed block released its first lock
+        release_port(start)
+    finally:
+        holder.communicate(timeout=60)
+
+
+def test_the_offsets_cover_every_port_upstream_derives_under_attention_dp():
+    """Upstream's TCP ZMQ ports of an attention-DP server (its ``PortArgs``), its dist-init port
+    and its DP controller's handshake port all lie in the block reserved with ``--port``."""
+    from sglang.srt.server_args import (
+        DP_ATTENTION_HANDSHAKE_PORT_DELTA,
+        ZMQ_TCP_PORT_DELTA,
+        PortArgs,
+        prepare_server_args,
+    )
+
+    port, nccl_port = free_port(offsets=SERVER_PORT_OFFSETS), free_port()
+    try:
+        model = HERE / "fixtures" / "tiny-deepseek-v32"
+        args = prepare_server_args(
+            ["--model-path", str(model), "--device", "cpu", "--tp", "2", "--attn-dp-size", "2"]
+            + ["--port", str(port), "--nccl-port", str(nccl_port)]
+        )
+        port_args = PortArgs.init_new(args)
+    finally:
+        release_port(port)
+        release_port(nccl_port)
+    derived = {int(m) for m in re.findall(r"tcp://127\.0\.0\.1:(\d+)", repr(port_args))}
+    derived |= {port + ZMQ_TCP_PORT_DELTA, port + DP_ATTENTION_HANDSHAKE_PORT_DELTA}
+    assert derived <= {port + o for o in SERVER_PORT_OFFSETS}, (port, sorted(derived))
+    assert len(derived) == len(SERVER_PORT_OFFSETS) - 1, derived  # the 6 ZMQ ports, 2 more
 
 
 def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):

@@ -19,8 +19,7 @@ The index top-k is overridden to 64 and each request gets 128 sparse slots, so c
 tokens evict and reload from the host at most steps.
 
 The KV cache is fp8 (656 B rows, the guide's flags ``--kv-cache-dtype fp8_e4m3 --dsa-decode-backend
-flashmla_kv``) unless a test is about bf16 (``TestBF16``: 1152 B rows, and the token budget, whose
-figures are worked out for bf16 rows).
+flashmla_kv``) but in ``TestBF16`` (1152 B rows).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ TOPK = 64
 SLOTS = 128
 PAGE = 64
 LAYERS = 2
-KV_ROW = BF16_ROW  # one bf16 latent row (512 + 64 dims): the token budget's (TestBF16)
+KV_ROW = FP8_ROW  # one fp8 KV row (512 e4m3 values, 4 fp32 scales, 64 bf16 rope values)
 INDEX_ROW = 132  # one index-key row (128 fp8 + a 4 B scale)
 RUNNING = 8
 CONTEXT = 1024
@@ -66,12 +65,11 @@ COMMON = FP8_KV + [
 SMALL_GPU = ["--max-total-tokens", "4096"]
 LARGE_GPU = ["--max-total-tokens", "16384"]
 # The pressure twins: a host pool of exactly PRESSURE_TOKENS tokens (the token budget of OFF_SMALL),
-# a context length above it (so a prompt can exceed the host pool) and a sparse pool large enough
+# a context length above it (so a prompt can exceed the host pool) and a GPU budget large enough
 # that the GPU-row gate never binds: admission and retraction then follow the host pool alone.
 PRESSURE_TOKENS = 1024
 PRESSURE_CONTEXT = 2048
-PRESSURE_HOST_GB = (PRESSURE_TOKENS * FP8_ROW * LAYERS + 1024) / 1e9
-PRESSURE_SPARSE_POOL = RUNNING * (SLOTS + 2 * PAGE) + PRESSURE_CONTEXT
+PRESSURE_HOST_GB = (PRESSURE_TOKENS * KV_ROW * LAYERS + 1024) / 1e9
 
 
 def offload(**extra) -> List[str]:
@@ -97,21 +95,23 @@ ON_PRESSURE = (
     COMMON
     + context(PRESSURE_CONTEXT)
     + LARGE_GPU
-    + offload(host_pool_size_gb=PRESSURE_HOST_GB, sparse_pool_slots=PRESSURE_SPARSE_POOL)
+    + offload(host_pool_size_gb=PRESSURE_HOST_GB)
 )
 
 
-def expected_offload_token_budget(gpu_tokens: int) -> int:
+def expected_offload_token_budget(gpu_tokens: int, unit_pages: int) -> int:
     """The flag-on server's token budget, worked out here from the sizing rule of
     docs/kv_offload.md ("Sizing"): the GPU bytes the profiler grants at the flag-off cost per token
-    (KV + index row, every layer) pay first for the physical KV rows (per running request its
-    sparse slots and two tail pages, plus one context of prompt staging), and the rest for logical
-    tokens at the index row plus the LRU's 4 B location entry per layer. ON's host pool (ratio 1)
-    holds every logical token, so it does not cap the budget."""
-    budget = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS
-    physical = RUNNING * (SLOTS + 2 * PAGE) + CONTEXT
-    per_logical = (INDEX_ROW + 4) * LAYERS
-    return (budget - physical * KV_ROW * LAYERS) // per_logical // PAGE * PAGE
+    (KV + index row, every layer) become one arena per layer, less the LRU's 4 B per logical loc and
+    layer outside it: ``budget / (layers + 4 x layers / 132)`` bytes a layer, in whole KV pages, cut
+    into units of ``unit_pages`` KV pages (the server reports the unit it chose). Every unit but
+    the first can turn into index pages, as many as lie wholly inside every unit; the budget is
+    all of them. ON's host pool (ratio 1) holds every logical token, so it does not cap it."""
+    layer_bytes = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS / (LAYERS + 4 * LAYERS / INDEX_ROW)
+    units = int(layer_bytes) // (PAGE * KV_ROW) // unit_pages
+    unit, index_page = unit_pages * PAGE * KV_ROW, PAGE * INDEX_ROW
+    per_unit = min((k + 1) * unit // index_page - -(-k * unit // index_page) for k in range(units))
+    return (units - 1) * per_unit * PAGE
 
 
 def prompt(n: int, seed: int) -> List[int]:
@@ -202,7 +202,7 @@ def forced_eviction_and_reload(off: TinyServer, on: TinyServer, row_bytes: int) 
 
 def test_forced_eviction_and_reload(main_pair):
     off, on = main_pair
-    forced_eviction_and_reload(off, on, FP8_ROW)
+    forced_eviction_and_reload(off, on, KV_ROW)
     # Both twins wrote and read the fp8 pool through FlashMLA's kernel, prefill included.
     for server in main_pair:
         assert "prefill=flashmla_kv, decode=flashmla_kv" in server.log()
@@ -302,7 +302,21 @@ def test_metrics_on_the_prometheus_endpoint(main_pair):
         time.sleep(1)
     assert got == want
     assert state["loaded"] > 0
-    assert_row_bytes(state, FP8_ROW)
+    assert_row_bytes(state, KV_ROW)
+
+
+def test_token_budget_with_the_same_gpu_budget(main_pair):
+    """(c, first half) the same GPU budget (--max-total-tokens 4096) admits more tokens with the
+    flag: an offloaded token costs index keys on the GPU, its KV lives on the host. The figure is
+    worked out independently from the sizing rule (expected_offload_token_budget)."""
+    off, on = main_pair
+    capacity_on = on.server_info()["max_total_num_tokens"]
+    arena = on.offload_state()["arena"]
+    expected = expected_offload_token_budget(4096, arena["unit_pages"])
+    print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
+    # Small arenas waste up to a tenth of a unit to index-page alignment (none at H200 sizes).
+    assert capacity_on == expected > 0.8 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + 4)
+    assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much
 
 
 class TestPressure:
@@ -414,7 +428,7 @@ class TestTensorParallel:
         assert_same_batch(off, on, prompts, 40)
         state = on.wait_no_leak()
         assert state["loaded"] > 0  # rank 1's attention read rows that only rank 0 wrote
-        assert_row_bytes(state, FP8_ROW)
+        assert_row_bytes(state, KV_ROW)
         pool = state["host_pool"]
         assert pool["shared_by_ranks"] == 2 and pool["writes_backups"] is True
         ranks = scheduler_pool_mappings(on)
@@ -429,7 +443,7 @@ class TestTensorParallel:
         assert not leftover, f"shared host pool files left in /dev/shm: {leftover}"
 
 
-CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_pool_slots=SLOTS)
+CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_slots_per_req=8192)
 
 
 class TestSingleServers:
@@ -469,17 +483,19 @@ class TestSingleServers:
         assert out != ref
 
     def test_config_that_cannot_fit_fails_at_start_up(self, singles):
-        """A sparse pool too small to stage one prompt beside one request's slots: a clear
-        error."""
+        """More sparse slots per request than the whole GPU budget holds as KV rows: a clear error
+        naming the largest value that fits."""
         server = singles["cannot_fit"]
         assert server.proc.wait(300) != 0
-        assert "sparse_pool_slots=128 cannot stage a prompt" in server.log()
+        log = server.log()
+        assert "sparse_slots_per_req=8192 does not fit this GPU budget" in log
+        most = int(re.search(r"Use at most (\d+)", log).group(1))
+        assert 0 < most < 8192 and most % PAGE == 0
 
 
 class TestBF16:
     """The bf16 KV format (1152 B rows read by the bf16 sparse kernel): flag on against off under
-    forced eviction, and the token budget, whose figures are worked out for bf16 rows (with fp8
-    rows and these settings the same rule gives 8896 tokens, less than 3x the flag-off budget)."""
+    forced eviction."""
 
     @pytest.fixture(scope="class")
     def bf16_pair(self, tmp_path_factory):
@@ -490,14 +506,3 @@ class TestBF16:
 
     def test_forced_eviction_and_reload(self, bf16_pair):
         forced_eviction_and_reload(*bf16_pair, BF16_ROW)
-
-    def test_token_budget_with_the_same_gpu_budget(self, bf16_pair):
-        """(c, first half) the same GPU budget (--max-total-tokens 4096) admits more tokens with
-        the flag: an offloaded token costs index keys on the GPU, its KV lives on the host. The
-        figure is worked out independently from the sizing rule (expected_offload_token_budget)."""
-        off, on = bf16_pair
-        capacity_on = on.server_info()["max_total_num_tokens"]
-        expected = expected_offload_token_budget(4096)
-        print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
-        assert capacity_on == expected > 3 * 4096
-        assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much

@@ -131,12 +131,13 @@ already scatters the rows in torch; with an fp8 KV cache it quantises them first
 On a CUDA machine without ``sgl_kernel`` (the lent GPU box) the server also needs ``cpu_stubs/``
 (``sgl_kernel`` import placeholders with ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``, the ``flash_mla``
 stub), ``gpu_stubs/`` (``flashinfer`` import placeholders) and upstream switches that select existing
-torch/Triton paths (``scripts/tiny_server.py``'s ``GPU_NO_KERNELS_ENV``, set by ``server_env``):
-``SGLANG_IS_FLASHINFER_AVAILABLE=0`` (torch sampling and norms), ``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (no
-DeepGEMM GEMMs or warm-up: the ``deep_gemm`` stand-in only has the indexer logits),
+torch/Triton paths (``scripts/tiny_server.py``'s ``GPU_NO_SGL_KERNEL_ENV`` and
+``GPU_STANDIN_KERNELS_ENV``, set by ``server_env``): ``SGLANG_IS_FLASHINFER_AVAILABLE=0`` (torch
+sampling and norms), ``SGLANG_ENABLE_JIT_DEEPGEMM=0`` (no DeepGEMM GEMMs or warm-up: bf16 weights),
 ``SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0`` (no FA3 MHA prefill: sparse MLA prefill as on the
 CPU), ``SGLANG_OPT_USE_TOPK_V2=0`` (S5, not the JIT top-k v2), ``SGLANG_DISABLE_DSA_INDEXER_FUSION=1``
-(no JIT indexer q/k fusion) and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``. Upstream's Triton kernels
+(no JIT indexer q/k fusion) and ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``; the top-k and fusion
+switches only with ``--kernels standins`` (see :func:`production_kernels`). Upstream's Triton kernels
 (MoE router, DSA decode metadata, KV and index-K writes, allocators, act_quant) run unchanged there.
 
 Batch invariance: the indexer logits and the sparse attention are computed in float64 and rounded
@@ -178,6 +179,14 @@ def _fast() -> bool:
     bf16 with fp32 softmax instead of float64, and the S7 weights drawn on the GPU. Tokens then
     depend on the batch shape, so the token-equality tests never set it."""
     return os.environ.get("KV_OFFLOAD_STANDINS_FAST") == "1"
+
+
+def production_kernels() -> bool:
+    """``KV_OFFLOAD_KERNELS=production`` (``source scripts/gpu_env.sh production``): FlashMLA,
+    DeepGEMM and 0.5.23's JIT kernels are real on the GPU, so S3, S9, G3, G6 and G7 are not
+    installed; S4 and S6 are import-time and give way to the real ``deep_gemm`` and ``flash_mla``,
+    which come first on the path. The ``sgl_kernel`` ones (S5, G1, G2, G4, G5) and S7 stay."""
+    return os.environ.get("KV_OFFLOAD_KERNELS") == "production"
 
 
 def _cdt() -> torch.dtype:
@@ -875,7 +884,9 @@ def _patch_rope_variant(module) -> None:
         return apply(query), apply(key)
 
     module.DeepseekScalingRotaryEmbedding.forward_native = forward_native
-    if torch.cuda.is_available():  # G3: the JIT rope kernel (RotaryEmbedding.forward_cuda)
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G3: the JIT rope kernel (RotaryEmbedding.forward_cuda)
 
         def forward_cuda(self, positions, query, key, offsets=None, fused_set_kv_buffer_arg=None):
             assert fused_set_kv_buffer_arg is None, "fused rope + KV store is not stood in"
@@ -929,12 +940,16 @@ def _patch_unquant(module) -> None:
 
 
 def _patch_clamp_position(module) -> None:
-    if torch.cuda.is_available():  # G6: pin the op to its torch path (upstream's documented pin)
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G6: pin the op to its torch path (upstream's documented pin)
         module._CLAMP_POSITION._forward_method = module._CLAMP_POSITION.forward_native
 
 
 def _patch_attention_utils(module) -> None:
-    if torch.cuda.is_available():  # G7: concat_mla_absorb_q_general's torch.cat branch
+    if (
+        torch.cuda.is_available() and not production_kernels()
+    ):  # G7: concat_mla_absorb_q_general's torch.cat branch
         module.concat_mla_absorb_q = lambda q_nope, q_rope: torch.cat([q_nope, q_rope], dim=-1)
 
 
@@ -1036,8 +1051,9 @@ def _patch_dsa_indexer(module) -> None:
             return max(1, int(psutil.virtual_memory().total * module.MQA_LOGITS_TOTAL_MEM_FRACTION))
 
         module.Indexer._get_mqa_logits_budget_bytes = _get_mqa_logits_budget_bytes
-    module.rotate_activation = rotate_activation  # S3 (0.5.23 JIT hadamard is CUDA only)
-    module.can_use_dsa_fused_store = lambda *args, **kwargs: False  # S9 (JIT: would run nvcc)
+    if not production_kernels():
+        module.rotate_activation = rotate_activation  # S3 (0.5.23 JIT hadamard is CUDA only)
+        module.can_use_dsa_fused_store = lambda *args, **kwargs: False  # S9 (JIT: would run nvcc)
 
 
 def _replace_in_method(module, cls, name: str, old: str, new: str) -> None:

@@ -44,11 +44,11 @@ class KVOffloadConfig:
     """Settings parsed from ``--kv-offload-config``.
 
     Attributes:
-        sparse_slots_per_req: GPU sparse KV slots (tokens) a request may hold per layer. A request
-            is granted ``min(sparse_slots_per_req, context)`` slots, page-aligned. Must be a multiple
-            of 64 and at least the model's ``index_topk``.
-        sparse_pool_slots: total sparse slots shared by all requests; 0 sizes the pool from the GPU
-            memory left after the index buffer (decided when pools are built).
+        sparse_slots_per_req: GPU KV rows (tokens) a request may hold per layer. A request whose
+            prompt and ``max_new_tokens`` fit in them stays on the GPU whole (it never loads from
+            the host); a longer one holds this many sparse slots. Must be a multiple of 64 and at
+            least the model's ``index_topk``. Rows come from the GPU arena that the index keys of
+            every token share (sized by upstream's ``--mem-fraction-static``), as requests need them.
         host_pool_size_gb: pinned host pool size in GB; 0 means use ``host_pool_ratio``.
         host_pool_ratio: host pool tokens as a multiple of the device logical pool tokens.
         pin_host_memory: register the host pool with CUDA (needed for zero-copy loads).
@@ -63,7 +63,6 @@ class KVOffloadConfig:
     """
 
     sparse_slots_per_req: int = 4096
-    sparse_pool_slots: int = 0
     host_pool_size_gb: float = 0.0
     host_pool_ratio: float = 1.0
     pin_host_memory: bool = True
@@ -97,6 +96,12 @@ class KVOffloadConfig:
                 "Pass an object such as '{\"sparse_slots_per_req\": 4096}'."
             )
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if "sparse_pool_slots" in raw:
+            raise KVOffloadConfigError(
+                "--kv-offload-config: sparse_pool_slots is no longer used: KV rows and index keys "
+                "now share the GPU budget, each taking what the running requests need. Drop it "
+                "(--mem-fraction-static / --max-total-tokens size the budget)."
+            )
         unknown = sorted(set(raw) - set(fields))
         if unknown:
             raise KVOffloadConfigError(
@@ -129,16 +134,6 @@ class KVOffloadConfig:
                 f"index_topk={index_topk}: every selected token needs a slot; set it to at least "
                 f"{_round_up(index_topk, PAGE_SIZE)}",
             )
-        _require(
-            self.sparse_pool_slots >= 0 and self.sparse_pool_slots % PAGE_SIZE == 0,
-            f"sparse_pool_slots={self.sparse_pool_slots} must be 0 (auto) or a positive multiple "
-            f"of {PAGE_SIZE}",
-        )
-        _require(
-            self.sparse_pool_slots == 0 or self.sparse_pool_slots >= self.sparse_slots_per_req,
-            f"sparse_pool_slots={self.sparse_pool_slots} cannot hold even one request of "
-            f"sparse_slots_per_req={self.sparse_slots_per_req}; raise it or use 0 (auto)",
-        )
         _require(
             self.sparse_slots_per_req <= MAX_SLOTS_PER_REQ,
             f"sparse_slots_per_req={self.sparse_slots_per_req} is above {MAX_SLOTS_PER_REQ}, the "

@@ -58,6 +58,8 @@ class OffloadedRequest:
     written_len: int  # positions whose KV rows are written; only these may be backed up
     backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
     has_slots: bool = False
+    # Kept on the GPU whole: its context fits its sparse slots (see KVOffloadCoordinator).
+    resident: bool = False
     # Radix cache: the prompt pages this request must back up (whole pages of logical locs, on the
     # device) when the rest of [0, backed_up_end) are a shared prefix backed up by another request.
     own_pages: Optional[torch.Tensor] = None
@@ -84,11 +86,13 @@ class KVOffloadCoordinator:
             their device work (backups of pages that forward writes, LRU and mapping updates it
             reads, slot and row reuse) is ordered after it, as HiSparse's producer-stream waits do.
 
-    Admission control: every live request (pre-allocated for a PD transfer, or admitted) is promised
-    the physical rows it may come to hold, its sparse slots for its final context plus its tail pages
-    (:meth:`reserve`). New prompts may only stage into rows nobody is promised
-    (:meth:`unreserved_physical_rows`), so a request admitted by the scheduler always finds its
-    slots; the physical pool is sized for ``max_running_requests`` such promises plus one prompt.
+    Admission control: every live request (staged for a prefill, pre-allocated for a PD transfer, or
+    admitted) is promised the physical rows it may come to hold (:meth:`promise_rows`): a request
+    whose whole context fits its sparse slots is kept on the GPU whole (*resident*: no backup, no
+    slot, no load; its rows are its context), any other its sparse slots plus its tail pages. The
+    rows promised and not yet held (:meth:`owed_rows`) are kept out of the logical budget, and a new
+    request is staged only if its prompt, its promise and its logical locs fit in the arena beside
+    them (:meth:`can_stage`), so an admitted request always finds its rows.
     """
 
     def __init__(
@@ -135,7 +139,12 @@ class KVOffloadCoordinator:
         # Radix cache: (logical locs, physical rows) of host-only prefix pages read back into GPU
         # rows for an extend (restore_for_extend), released at the next scheduler iteration.
         self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.reservations: Set[int] = set()  # req_pool_idx promised ``rows_promised`` rows
+        # req_pool_idx -> (final length, positions staged before admission): promised rows.
+        self.reservations: Dict[int, Tuple[int, int]] = {}
+        # Positions a decode step allocates ahead of its committed tokens (speculative drafts).
+        self.lookahead = (tail_pages - 2) * self.page_size
+        # A final length no resident request has (promised as a sparse one).
+        self._sparse_len = sparse_cache.max_slots + 1
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
         # The plan's counters and error flags, copied to the host after each step's forward and
@@ -146,6 +155,10 @@ class KVOffloadCoordinator:
         self._device_report_event: Optional[torch.cuda.Event] = None
         self._error_flags_seen = 0
         self._serving = False
+        # The allocator keeps the rows promised out of the logical budget, and the arena asks
+        # before it moves physical rows this state holds.
+        allocator.physical_owed = self.owed_rows
+        allocator.arena.listeners.append(self)
         self.initial_free = self.allocator.free_counts()
         self.stats = {
             "admitted": 0,
@@ -158,49 +171,80 @@ class KVOffloadCoordinator:
             "shared_prefix_tokens": 0,
             "release_drains": 0,
             "restored_prefix_tokens": 0,
+            "resident": 0,
         }
 
     # ------------------------------------------------------------------ admission control
-    @property
-    def rows_promised(self) -> int:
-        """Physical rows a request may come to hold: its most sparse slots + its tail pages (the
-        unit the physical pool is sized in)."""
-        return self.sparse_cache.max_slots + self.tail_pages * self.page_size
+    def resident_len(self, final_len: int) -> bool:
+        """Whether a request that may reach ``final_len`` positions is kept on the GPU whole."""
+        return final_len + self.lookahead <= self.sparse_cache.max_slots
 
-    def unreserved_physical_rows(self) -> int:
-        """Free physical rows minus what live requests are promised and do not hold as slots yet.
+    def promise_rows(self, final_len: int) -> int:
+        """Physical rows a request that may reach ``final_len`` positions may come to hold: its
+        whole context if resident, else its most sparse slots and its tail pages."""
+        page = self.page_size
+        if self.resident_len(final_len):
+            return -(-(final_len + self.lookahead) // page) * page
+        return self.sparse_cache.max_slots + self.tail_pages * page
 
-        Conservative: tail rows a request holds are not subtracted from its promise.
-        """
-        held = self.sparse_cache.num_slots_cpu
-        owed = sum(max(0, self.rows_promised - int(held[r])) for r in self.reservations)
-        return self.allocator.physical_available_size() - owed
+    def _held_rows(self, r: int, final_len: int, staged_len: int) -> int:
+        """Rows request ``r`` holds toward its promise: its context rows if resident, else its
+        slots (tail and staging rows it holds are not subtracted: conservative)."""
+        page = self.page_size
+        req = self.requests.get(r)
+        if req is None:
+            return -(-staged_len // page) * page if self.resident_len(final_len) else 0
+        if req.resident:
+            return -(-req.seq_len // page) * page
+        return self.sparse_cache.num_slots_cpu[r]
 
-    def can_stage(self, staging_rows: int, unpromised_requests: int) -> bool:
-        """Whether prompts staging ``staging_rows`` more GPU rows fit beside the rows live requests
-        are promised, with ``unpromised_requests`` more requests promised theirs: the new ones,
-        and those whose prompt is already staged but that no decode step has admitted yet (they
-        will ask for their slots at that step, and a request without slots cannot give its staged
-        rows back)."""
-        need = staging_rows + unpromised_requests * self.rows_promised
-        return self.unreserved_physical_rows() >= need
+    def owed_rows(self) -> int:
+        """Physical rows live requests are promised and do not hold yet (no device read)."""
+        return sum(
+            max(0, self.promise_rows(final) - self._held_rows(r, final, staged))
+            for r, (final, staged) in self.reservations.items()
+        )
 
-    def can_reserve(self, staging_rows: int) -> bool:
-        """Whether a new request (staging ``staging_rows`` prompt rows on the GPU) can be promised
-        its rows without touching rows promised to live requests."""
-        return self.can_stage(staging_rows, 1)
+    def can_stage(self, prompts: Sequence[Tuple[int, int, int]]) -> bool:
+        """Whether new requests fit beside the live ones: ``prompts`` are ``(staging rows, logical
+        locs, final length)`` each, the rows its prompt stages on the GPU (0 when it arrives on the
+        host), the logical locs it takes and the length it may reach."""
+        page = self.page_size
+        rows = logical = 0
+        for staging, locs, final in prompts:
+            held = -(-staging // page) * page if self.resident_len(final) else 0
+            rows += staging + max(0, self.promise_rows(final) - held)
+            logical += locs
+        return self.allocator.fits(rows, logical)
 
-    def reserve(self, req_pool_idx: int) -> None:
-        """Promise a new request its rows (PD pre-allocation); :meth:`release` withdraws it."""
-        self.reservations.add(int(req_pool_idx))
+    def can_ever_stage(self, staging: int, locs: int, final_len: int) -> bool:
+        """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
+        page = self.page_size
+        held = -(-staging // page) * page if self.resident_len(final_len) else 0
+        rows = staging + max(0, self.promise_rows(final_len) - held)
+        layout = self.allocator.arena.layout
+        return layout.holds(-(-rows // page), -(-locs // page))
+
+    def reserve(self, req_pool_idx: int, final_len: int, staged_len: int = 0) -> None:
+        """Promise a request its rows (staged for a prefill or pre-allocated for a PD transfer,
+        ``staged_len`` positions so far); :meth:`release` withdraws it."""
+        self.reservations[int(req_pool_idx)] = (int(final_len), int(staged_len))
 
     # ------------------------------------------------------------------ scheduler side
-    def admit(self, req_pool_idx: int, seq_len: int, written_len: Optional[int] = None) -> None:
+    def admit(
+        self,
+        req_pool_idx: int,
+        seq_len: int,
+        written_len: Optional[int] = None,
+        final_len: Optional[int] = None,
+    ) -> None:
         """Take over a request whose prompt KV sits in GPU tail rows (after prefill or PD transfer).
 
         ``seq_len`` positions have logical locs; the first ``written_len`` (default: all) have their
-        KV written. Starts the backup of the complete written pages and asks for sparse slots;
-        neither is waited for. Raises if the request is already admitted (exactly-once).
+        KV written. A request that may reach ``final_len`` positions (default: unknown) within its
+        sparse slots stays in its GPU rows (resident); any other starts the backup of its complete
+        written pages and asks for sparse slots, neither waited for. Raises if the request is
+        already admitted (exactly-once).
         """
         r = int(req_pool_idx)
         if r in self.requests:
@@ -212,9 +256,14 @@ class KVOffloadCoordinator:
             req_pool_idx=r, seq_len=n, written_len=n if written_len is None else int(written_len)
         )
         on_host_only = self._claim_prompt_pages(req) if self.share_prefixes else False
+        # A cached prefix on the host only must be loaded into slots: not resident.
+        if final_len is None:  # promised at staging, or unknown (then sparse)
+            final_len = self.reservations.get(r, (self._sparse_len, 0))[0]
+        req.resident = self.resident_len(final_len) and not on_host_only
         self.requests[r] = req
-        self.reservations.add(r)
+        self.reservations[r] = (self._sparse_len if not req.resident else int(final_len), 0)
         self.stats["admitted"] += 1
+        self.stats["resident"] += req.resident
         self._grant_slots(req)
         if on_host_only and not req.has_slots:
             # Its cached prefix is on the host only: without slots no miss could be placed.
@@ -282,9 +331,8 @@ class KVOffloadCoordinator:
         if not self.sparse_cache.admit(r, n):
             raise RuntimeError(
                 f"kv_offload: no sparse slots for direct-to-host req_pool_idx {r} "
-                f"({self.allocator.physical_available_size()} physical rows free). Its prompt is "
-                "on the host only, so it cannot run without them; leave sparse_pool_slots at 0 "
-                "(auto) in --kv-offload-config or raise it"
+                "(the GPU budget is full). Its prompt is on the host only, so it cannot run "
+                "without them; pd_can_admit keeps their rows free, so this is a bug to report"
             )
         if n > full:
             physical = self.allocator.hisparse_attn_allocator.alloc(page)
@@ -292,8 +340,8 @@ class KVOffloadCoordinator:
                 self.sparse_cache.release(r)
                 raise RuntimeError(
                     f"kv_offload: no physical page for the decode tail of direct-to-host "
-                    f"req_pool_idx {r}; leave sparse_pool_slots at 0 (auto) in --kv-offload-config "
-                    "or raise it"
+                    f"req_pool_idx {r} (the GPU budget is full); pd_can_admit keeps its rows free, "
+                    "so this is a bug to report"
                 )
             tail_locs = locs[full:]
             tail_rows = physical[: n - full]
@@ -309,7 +357,7 @@ class KVOffloadCoordinator:
         if prefix:
             self._claim_prompt_pages(req, prefix)
         self.requests[r] = req
-        self.reservations.add(r)
+        self.reservations[r] = (self._sparse_len, 0)
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
         if req.own_pages is not None:
@@ -368,9 +416,10 @@ class KVOffloadCoordinator:
         st = self.stats
         return (
             f"kv_offload: step {self.decode_steps}, {len(self.requests)} requests "
-            f"({sum(not r.has_slots for r in self.requests.values())} without slots), "
-            f"{len(self.reservations)} promised, {self.unreserved_physical_rows()} unpromised "
-            f"physical rows; free logical {free['logical']}, physical {free['physical']}, host "
+            f"({sum(not r.has_slots and not r.resident for r in self.requests.values())} "
+            "waiting for slots), "
+            f"{sum(r.resident for r in self.requests.values())} resident, "
+            f"{len(self.reservations)} promised, {self.owed_rows()} rows owed; free logical {free['logical']}, physical {free['physical']}, host "
             f"{free.get('host', 0)}; backed up {st['backup_tokens']} tokens "
             f"({st['deferred_backups']} deferred, {st['forced_backups']} forced), admitted "
             f"{st['admitted']} ({st['admitted_from_host']} from host), released {st['released']}"
@@ -448,7 +497,7 @@ class KVOffloadCoordinator:
         complete written pages not yet backed up are backed up now and every backup is waited for
         (:meth:`_flush_for_tree`). The tree then owns host rows only.
         """
-        self.reservations.discard(int(req_pool_idx))
+        self.reservations.pop(int(req_pool_idx), None)
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
             if self.share_prefixes and not free_kv and kv_len >= self.page_size:
@@ -468,6 +517,18 @@ class KVOffloadCoordinator:
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
         self.controller.drain()
+
+    def before_relocation(self) -> None:
+        """Before the arena moves physical pages: every forward launched so far and every backup
+        (the write stream reads physical rows) are done with the old rows."""
+        self._after_inflight_forward()
+        self.controller.drain()
+
+    def relocate_rows(self, remap) -> None:
+        """Rewrite the physical rows held here (sparse slots, pages read back for a prefill)."""
+        ocls = self.sparse_cache.out_cache_loc_sparse
+        ocls.copy_(remap(ocls))
+        self._restored = [(logical, remap(physical)) for logical, physical in self._restored]
 
     def _flush_unadmitted(self, r: int, kv_len: int) -> None:
         """Radix cache: a request released before any decode step (finished by its prefill,
@@ -542,7 +603,19 @@ class KVOffloadCoordinator:
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
-        would overflow them). A request without slots yet keeps its KV in tail rows and waits."""
+        would overflow them). A request without slots yet keeps its KV in tail rows and waits; a
+        resident one needs none unless it outgrows its slots (then it goes sparse)."""
+        if req.resident:
+            if req.seq_len + self.lookahead <= self.sparse_cache.max_slots:
+                return True
+            req.resident = False
+            self.reservations[req.req_pool_idx] = (self._sparse_len, 0)
+            logger.warning(
+                "kv_offload: req %d outgrew its %d GPU rows (more tokens than its max_new_tokens "
+                "promised); it goes sparse",
+                req.req_pool_idx,
+                self.sparse_cache.max_slots,
+            )
         if req.has_slots:
             return self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
         req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
@@ -554,8 +627,7 @@ class KVOffloadCoordinator:
         return (
             f"kv offload could not grow the sparse slots of this request to "
             f"{self.sparse_cache.slots_for(req.seq_len)} rows at {req.seq_len} tokens "
-            f"({self.allocator.physical_available_size()} GPU KV rows free); raise "
-            "sparse_pool_slots (or leave it 0) in --kv-offload-config or lower "
+            "(the GPU budget is full); raise --mem-fraction-static or lower "
             "--max-running-requests"
         )
 
@@ -610,6 +682,8 @@ class KVOffloadCoordinator:
             "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
             "backups_in_flight": len(self.controller.inflight),
             "host_pool": self.controller.host_pool_info(),
+            "arena": self.allocator.arena.state(),
+            "resident_requests": sum(r.resident for r in self.requests.values()),
             "decode_steps": self.decode_steps,
             "error_flags": self._error_flags_seen,
             **self.stats,
@@ -631,7 +705,7 @@ class KVOffloadCoordinator:
             locs = torch.cat([req.own_pages, locs])
         own = locs.numel()
         need = self.sparse_cache.slots_for(req.seq_len)
-        if own <= 0 or self.allocator.physical_available_size() + own < need:
+        if own <= 0 or not self.allocator.fits(max(0, need - own), 0, owed=False):
             return False
         if self.controller.backup_batch([(r, locs, req.backed_up_end, end)]) is None:
             return False  # the host pool is full: stay in tail rows
@@ -643,7 +717,7 @@ class KVOffloadCoordinator:
         req.has_slots = self.sparse_cache.admit(r, req.seq_len)
         logger.warning(
             "kv_offload: physical pool full; req %d backed up %d own rows synchronously to take "
-            "its %d sparse slots (granted: %s). Raise sparse_pool_slots or lower "
+            "its %d sparse slots (granted: %s). Raise --mem-fraction-static or lower "
             "--max-running-requests if this repeats",
             r,
             own,

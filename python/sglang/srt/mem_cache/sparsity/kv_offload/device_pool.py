@@ -1,38 +1,50 @@
-"""GPU side of kv_offload: logical/physical split DSA pool, its allocator and GPU sizing.
+"""GPU side of kv_offload: the DSA pool over one arena per layer, its allocator and GPU sizing.
 
 * Logical locations (``req_to_token`` entries) address the indexer key buffer
   (``index_k_with_scale_buffer``, :func:`index_row_bytes` per token and layer: 132 B for
   DeepSeek-V3.2's 128-dim keys) for the whole context of every request.
-* Physical KV rows (656 B fp8 layout / 1152 B bf16 per token and layer) exist only for the sparse
-  cache slots and for tokens not yet backed up to the host (prompt pages in flight, decode tail).
+* Physical KV rows (656 B fp8 layout / 1152 B bf16 per token and layer) exist only for tokens the GPU
+  keeps: the whole context of a request that fits its sparse slots, sparse slots, decode tails and
+  prompts not yet backed up.
+* Both live in the same bytes (:mod:`arena`): the KV buffer and the index buffer of a layer are two
+  views of one arena, whose units move between the physical and the logical allocator as requests
+  need them, so a token the GPU keeps costs what it costs without kv offload.
 * ``full_to_hisparse_device_index_mapping[logical] -> physical row`` (0 = none) is upstream's
   HiSparse table, reused as is; ``loc_to_host[logical] -> host slot`` (-1 = not backed up) is ours.
-
-The plan kernel resolves a top-k logical loc as: ``loc_to_host >= 0`` -> sparse cache (hit) or host
-(miss); otherwise the physical tail row from the mapping.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-from sglang.srt.mem_cache.sparsity.kv_offload.config import PAGE_SIZE, KVOffloadConfig
+from sglang.srt.mem_cache.sparsity.kv_offload.arena import (
+    LOGICAL,
+    PHYSICAL,
+    ArenaLayout,
+    UnitArena,
+    arena_paged_allocator,
+    plan_arena,
+)
+from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 from sglang.srt.platforms import current_platform
-from sglang.srt.utils.common import ceil_align, get_num_new_pages
+from sglang.srt.utils.common import get_num_new_pages
 
 logger = logging.getLogger(__name__)
 
-# Per logical token and layer besides its index keys: the GPU LRU's ``loc_to_slot`` entry (int32).
+# Per logical loc and layer besides its index keys: the GPU LRU's ``loc_to_slot`` entry (int32).
 LOGICAL_STATE_BYTES_PER_LAYER = 4
 
 
@@ -52,87 +64,52 @@ def index_row_bytes(index_head_dim: int) -> int:
     return index_head_dim + index_head_dim // DSATokenToKVPool.quant_block_size * 4
 
 
-def index_bytes_per_logical_token(num_layers: int, index_row_bytes: int) -> int:
-    return index_row_bytes * num_layers
-
-
-def kv_bytes_per_physical_slot(row_bytes: int, num_layers: int) -> int:
-    return row_bytes * num_layers
-
-
 @dataclass(frozen=True)
 class OffloadPoolSizing:
-    """The GPU split, and the per-request decode shape it was sized for (tail pages promised
-    per request, tokens a verify step plans per request; see ``runtime.speculative_shape``)."""
+    """The arena layout of every layer, and the per-request decode shape it serves (tail pages a
+    sparse request may hold, tokens a verify step plans per request; see
+    ``runtime.speculative_shape``)."""
 
-    logical_tokens: int
-    physical_slots: int
-    index_bytes: int
-    kv_bytes: int
+    layout: ArenaLayout
+    num_layers: int
     tail_pages: int = 2
     verify_tokens: int = 1
 
     @property
-    def total_bytes(self) -> int:
-        return self.index_bytes + self.kv_bytes
+    def logical_tokens(self) -> int:
+        """Logical locs when every unit but unit 0 is logical: the most tokens the GPU can index."""
+        return self.layout.max_logical_pages * self.layout.page_size
+
+    @property
+    def physical_rows(self) -> int:
+        """Physical KV rows when every unit is physical: the most tokens the GPU can keep."""
+        return self.layout.max_physical_pages * self.layout.page_size
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.layout.layer_bytes * self.num_layers
 
 
-def physical_slots_needed(
-    max_running_requests: int,
-    sparse_slots_per_request: int,
-    staging_tokens: int,
-    page_size: int = PAGE_SIZE,
-    tail_pages: int = 2,
-) -> int:
-    """Physical rows for a decode batch.
-
-    Per request: its sparse slots and ``tail_pages`` pages of decode tail (the page being written and
-    the previous one while its backup is in flight; speculative decoding adds the pages its draft
-    tokens are allocated ahead into). Plus ``staging_tokens`` for prompt KV that has arrived but is
-    not yet backed up.
-    """
-    per_req = ceil_align(sparse_slots_per_request, page_size) + tail_pages * page_size
-    total = max_running_requests * per_req + ceil_align(staging_tokens, page_size)
-    return total
-
-
-def split_gpu_budget(
+def size_arena(
     budget_bytes: int,
     num_layers: int,
     row_bytes: int,
-    physical_slots: int,
-    page_size: int = PAGE_SIZE,
-    *,
     index_row_bytes: int,
-    draft_bytes_per_token: int = 0,
+    page_size: int,
+    *,
+    logical_loc_bytes: int = 0,
 ) -> OffloadPoolSizing:
-    """Split a GPU byte budget into (logical tokens, physical slots).
+    """Size the arenas for a GPU byte budget.
 
-    Physical rows cost ``row_bytes * num_layers`` each; every remaining byte goes to logical tokens
-    at ``index_row_bytes * num_layers`` each (what is really allocated per token once the KV is on
-    the host: index keys plus LRU state), plus ``draft_bytes_per_token`` (a speculative draft
-    model's dense KV, which upstream sizes by the same logical locs). Both counts are page
-    aligned. Upstream ``get_cell_size_per_token`` charges ``(row + index row) * layers`` per token,
-    which overstates an offloaded token's cost by ~6x.
+    Besides the arenas, every logical loc the index view spans costs ``logical_loc_bytes`` of state
+    outside them (the LRU's ``loc_to_slot`` in every layer, a speculative draft model's dense KV),
+    so the arenas take ``budget / (layers + logical_loc_bytes / index_row_bytes)`` bytes per layer.
+    A token the GPU keeps then costs ``row_bytes + index_row_bytes (+ its state)`` per layer, as
+    upstream charges, and a token on the host only its index keys (and state).
     """
-    physical_slots = ceil_align(physical_slots, page_size)
-    kv_bytes = physical_slots * kv_bytes_per_physical_slot(row_bytes, num_layers)
-    per_logical = index_bytes_per_logical_token(num_layers, index_row_bytes) + draft_bytes_per_token
-    left = budget_bytes - kv_bytes
-    logical = max(0, left) // per_logical // page_size * page_size
-    if logical < page_size:
-        raise ValueError(
-            f"kv_offload GPU budget of {budget_bytes / 1e9:.3f} GB is too small: {physical_slots} "
-            f"physical KV slots take {kv_bytes / 1e9:.3f} GB ({row_bytes} B x {num_layers} layers "
-            f"each), leaving no room for a page of index keys ({per_logical} B/token). Lower the "
-            "sparse slots per request or max_running_requests, or raise --mem-fraction-static"
-        )
-    return OffloadPoolSizing(
-        logical_tokens=logical,
-        physical_slots=physical_slots,
-        index_bytes=logical * per_logical,
-        kv_bytes=kv_bytes,
-    )
+    per_layer = budget_bytes / (num_layers + logical_loc_bytes / index_row_bytes)
+    layout = plan_arena(int(per_layer), row_bytes, index_row_bytes, page_size)
+    return OffloadPoolSizing(layout=layout, num_layers=num_layers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,23 +118,22 @@ def split_gpu_budget(
 
 
 class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
-    """DSA pool with ``physical_size`` KV rows and ``logical_size`` index-key tokens.
+    """DSA pool whose KV rows and index pages are two views of one arena per layer (``sizing``).
 
-    Upstream ``HiSparseDSATokenToKVPool`` ties the two with an integer ratio; here they are sized
-    independently (see :func:`split_gpu_budget`), so its ``__init__`` is skipped for
+    Upstream ``HiSparseDSATokenToKVPool`` ties the logical size to the physical one with an integer
+    ratio; here both span the whole arena, so its ``__init__`` is skipped for
     ``DSATokenToKVPool``'s (upstream could take an explicit index-buffer size there instead of the
-    ratio, and this class would call it). KV reads and writes by logical loc are translated through
-    the HiSparse mapping (inherited).
+    ratio, and this class would call it). The two buffer hooks (``_create_buffers`` for the KV rows,
+    ``_create_index_key_cache`` for the index pages) build the views. KV reads and writes by
+    logical loc are translated through the HiSparse mapping (inherited).
 
-    ``offload_config`` and ``sizing`` are what the server built the pool from (the parsed
-    ``--kv-offload-config`` and the budget split); ``runtime`` hands them on from here to the
-    allocator and the offload set-up. Pools built directly (tests, benchmarks) may leave them out.
+    ``offload_config`` is the parsed ``--kv-offload-config`` the server built the pool from;
+    ``runtime`` hands it and ``sizing`` on to the allocator and the offload set-up.
     """
 
     def __init__(
         self,
-        physical_size: int,
-        logical_size: int,
+        sizing: OffloadPoolSizing,
         page_size: int,
         kv_lora_rank: int,
         dtype: torch.dtype,
@@ -172,17 +148,15 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         tail_extra_slots: int = 0,
         max_running_requests: Optional[int] = None,
         offload_config: Optional[KVOffloadConfig] = None,
-        sizing: Optional[OffloadPoolSizing] = None,
     ):
-        for name, n in (("physical_size", physical_size), ("logical_size", logical_size)):
-            if n <= 0 or n % page_size != 0:
-                raise ValueError(
-                    f"kv_offload {name}={n} must be a positive multiple of page_size {page_size}"
-                )
+        layout = sizing.layout
+        if layout.page_size != page_size:
+            raise ValueError(f"arena page size {layout.page_size} != pool page size {page_size}")
+        self.sizing = sizing
         # Skip HiSparseDSATokenToKVPool.__init__: it derives index_buf_size from an integer ratio.
         DSATokenToKVPool.__init__(
             self,
-            size=physical_size,
+            size=layout.max_physical_pages * page_size,
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
             dtype=dtype,
@@ -194,18 +168,51 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
             kv_cache_dim=kv_cache_dim,
             start_layer=start_layer,
             end_layer=end_layer,
-            index_buf_size=logical_size,
+            index_buf_size=(layout.index_pages - 1) * page_size,
             tail_extra_slots=tail_extra_slots,
             max_running_requests=max_running_requests,
         )
-        self.bytes_per_token = self.kv_cache_dim * self.store_dtype.itemsize
+        if self.kv_cache_dim * self.store_dtype.itemsize != layout.row_bytes:
+            raise ValueError(
+                f"arena rows of {layout.row_bytes} B do not match the pool's "
+                f"{self.kv_cache_dim} x {self.store_dtype} KV rows"
+            )
+        self.bytes_per_token = layout.row_bytes
         self.data_strides = torch.full_like(self.data_ptrs, self.bytes_per_token)
-        self.physical_size = physical_size
-        self.logical_size = logical_size
+        self.physical_size = layout.max_physical_pages * page_size
+        self.logical_size = (layout.index_pages - 1) * page_size
         self.loc_to_host: Optional[torch.Tensor] = None
         self.offload_config = offload_config
-        self.sizing = sizing
         self.row_views: List[RowView] = [RowView(buf) for buf in self.kv_buffer]
+
+    def _create_buffers(self) -> None:
+        layout = self.sizing.layout
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+            with (
+                torch.cuda.use_mem_pool(self.custom_mem_pool)
+                if self.custom_mem_pool
+                else nullcontext()
+            ):
+                self.arenas = [
+                    torch.zeros((layout.layer_bytes,), dtype=torch.uint8, device=self.device)
+                    for _ in range(self.layer_num)
+                ]
+        rows = layout.physical_pages * layout.page_size
+        self.kv_buffer = [
+            arena.view(self.store_dtype).view(rows, 1, self.kv_cache_dim) for arena in self.arenas
+        ]
+
+    def _create_index_key_cache(self) -> IndexKeyCache:
+        layout = self.sizing.layout
+        # The parent builds one-page placeholders; the arena views replace them.
+        cache = IndexKeyCache(self, 0)
+        cache.buffer = [
+            arena[: layout.index_pages * layout.index_page_bytes].view(
+                layout.index_pages, layout.index_page_bytes
+            )
+            for arena in self.arenas
+        ]
+        return cache
 
     @property
     def row_bytes(self) -> int:
@@ -219,42 +226,28 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         buf = self.kv_buffer[layer_id - self.start_layer]
         return buf.view(buf.shape[0], -1).view(torch.uint8)
 
-    def allocated_bytes(self) -> Dict[str, int]:
-        """Bytes really allocated on the device, by kind."""
-        kv = sum(b.nbytes for b in self.kv_buffer)
-        index = sum(b.nbytes for b in self.index_k_with_scale_buffer)
-        return {"kv": kv, "index": index, "total": kv + index}
-
-    def get_cell_size_per_token(self) -> Dict[str, int]:
-        """Per-unit costs: index bytes per logical token, KV bytes per physical slot."""
-        index_row = self.index_k_with_scale_buffer[0].shape[1] // self.page_size
-        return {
-            "logical": index_row * self.layer_num,
-            "physical": self.bytes_per_token * self.layer_num,
-        }
-
 
 class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
-    """Logical + physical page allocators of the split pool, plus the ``loc_to_host`` table.
+    """Logical + physical page allocators over the pool's arena, plus the ``loc_to_host`` table.
 
     Differences from upstream HiSparse:
-    * independent logical / physical sizes;
+    * the two allocators share the arena's units (:class:`~.arena.UnitArena`): each holds only
+      pages of units it owns and takes more when it runs short;
     * ``alloc_decode`` also gives each new token a physical row (the decode tail lives on the GPU
-      until its page is complete and backed up);
+      until its page is complete and backed up, or for good in a request the GPU keeps whole);
     * ``free`` also returns the host slots of the freed logical pages (page granular, like the
       device allocators), so finish / abort / retract through the ordinary free path leak nothing.
 
     ``kv_offload`` is the server's :class:`~.hooks.KVOffloadHooks`, set by
     ``runtime.init_offload``: upstream's hooks reach kv offload through the allocator they
-    already hold.
+    already hold. ``physical_owed`` (also set there) returns the physical rows live requests are
+    promised and do not hold yet; the logical budget keeps them free.
     """
 
     kv_offload: Optional[KVOffloadHooks] = None
 
     def __init__(
         self,
-        logical_size: int,
-        physical_size: int,
         page_size: int,
         dtype: torch.dtype,
         device: str,
@@ -264,6 +257,9 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space as an integer
         # multiple of the physical one (size * host_to_device_ratio). Taking the logical size
         # itself there (a keyword defaulting to that product) would let this call it.
+        layout = kvcache.sizing.layout
+        logical_size = kvcache.logical_size
+        physical_size = kvcache.physical_size
         self._kvcache = kvcache
         self._size_full = logical_size
         self._size_hisparse = physical_size
@@ -272,16 +268,25 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self.device = device
         self.page_size = page_size
         self.need_sort = need_sort
-        # No speculative decoding under kv offload: request_slot_reserve charges nothing.
+        # Speculative decoding's draft pages are logical locs with tail rows (runtime sizing pays
+        # for them); no HiSparse scratch.
         self._spec_scratch_capacity = 0
         self._spec_device_buffer_size = 0
+        self.arena = UnitArena(
+            layout, [kvcache.device_row_view(kvcache.start_layer + i) for i in range(kvcache.layer_num)], device
+        )
         paged_cls = current_platform.get_paged_allocator_cls() or PagedTokenToKVPoolAllocator
-        self.logical_attn_allocator = paged_cls(
-            logical_size, page_size, dtype, device, kvcache, need_sort
+        args = (page_size, dtype, device, kvcache, need_sort)
+        self.logical_attn_allocator = arena_paged_allocator(
+            paged_cls, self.arena, LOGICAL, logical_size, *args
         )
-        self.hisparse_attn_allocator = paged_cls(
-            physical_size, page_size, dtype, device, kvcache, need_sort
+        self.hisparse_attn_allocator = arena_paged_allocator(
+            paged_cls, self.arena, PHYSICAL, physical_size, *args
         )
+        self.arena.logical = self.logical_attn_allocator
+        self.arena.physical = self.hisparse_attn_allocator
+        self.arena.listeners.append(self)
+        self.physical_owed: Callable[[], int] = lambda: 0
         # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
         self.full_to_hisparse_device_index_mapping = torch.cat(
             [
@@ -316,41 +321,80 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def physical_size(self) -> int:
         return self._size_hisparse
 
+    def logical_obtainable(self) -> int:
+        """Logical locs obtainable now, keeping the physical rows in use and owed."""
+        page = self.page_size
+        owed = -(-self.physical_owed() // page)
+        used = self.arena.used_pages(PHYSICAL)
+        return self.arena.logical_pages_obtainable(used + owed) * page
+
     def logical_available_size(self) -> int:
-        return self.logical_attn_allocator.available_size()
+        """Logical locs not in use, of the most the arena holds (what leak checks compare)."""
+        return self.free_counts()["logical"]
 
     def physical_available_size(self) -> int:
-        return self.hisparse_attn_allocator.available_size()
+        """Physical rows not in use, of the most the arena holds (what leak checks compare; what
+        the physical side can take now is :meth:`fits`'s question)."""
+        return self.free_counts()["physical"]
+
+    def fits(self, physical_rows: int, logical_tokens: int, owed: bool = True) -> bool:
+        """Whether ``physical_rows`` more physical rows (beyond those in use and, with ``owed``,
+        those promised) and ``logical_tokens`` more logical locs fit in the arena at once.
+        Reclaims free logical units (one device read) before answering no."""
+        page = self.page_size
+        arena = self.arena
+        promised = self.physical_owed() if owed else 0
+        phys = arena.used_pages(PHYSICAL) + -(-(promised + physical_rows) // page)
+        logical = arena.used_pages(LOGICAL) + -(-logical_tokens // page)
+        if arena.fits(phys, logical):
+            return True
+        return arena.reclaim_logical() > 0 and arena.fits(phys, logical)
 
     def available_size(self) -> int:
         """Tokens new requests may still take (what the scheduler's admission and retraction and
         its idle leak check read).
 
         An offloaded token holds a logical loc (its index keys) and, once its page is backed up, a
-        host slot; it holds a GPU KV row only while it is in a decode tail, a sparse slot or a
-        prompt being staged, which are gated per request (``runtime.can_stage_prefill``,
-        ``runtime.pd_can_admit``). So this is the logical free count, capped by the host slots not
-        yet owed to allocated tokens that have no backup yet. Host slots of cancelled backups
-        count as free: they return at the next completion poll.
+        host slot; GPU KV rows are gated per request (``runtime.can_stage_prefill``,
+        ``runtime.pd_can_admit``) and kept out of this count while promised. So this is the
+        logical locs obtainable, capped by the host slots not yet owed to allocated tokens that
+        have no backup yet. Host slots of cancelled backups count as free: they return at the next
+        completion poll.
         """
-        logical_free = self.logical_available_size()
+        logical_free = self.logical_obtainable()
         if self.host_pool is None:
-            return min(logical_free, self.physical_available_size())
+            return logical_free
         host_free = self.host_pool.available_size() + self.host_pending_free
-        unbacked = (self.logical_size - logical_free) - (self.host_pool.size - host_free)
+        used = self.arena.used_pages(LOGICAL) * self.page_size
+        unbacked = used - (self.host_pool.size - host_free)
         return max(0, min(logical_free, host_free - max(0, unbacked)))
 
     def free_counts(self) -> Dict[str, int]:
-        """Free slots of every allocator involved (what leak checks compare)."""
+        """Free pages of every allocator involved, as tokens, whichever side owns the units
+        (what leak checks compare)."""
+        sizing = self._kvcache.sizing
+        page = self.page_size
         out = {
-            "logical": self.logical_available_size(),
-            "physical": self.physical_available_size(),
+            "logical": sizing.logical_tokens - self.arena.used_pages(LOGICAL) * page,
+            "physical": sizing.physical_rows - self.arena.used_pages(PHYSICAL) * page,
         }
         if self.host_pool is not None:
             out["host"] = self.host_pool.available_size()
         return out
 
+    # ------------------------------------------------------------------ arena relocation
+    def before_relocation(self) -> None:
+        """The mapping is only read by forwards, which the coordinator (a listener too) orders."""
+
+    def relocate_rows(self, remap: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        mapping = self.full_to_hisparse_device_index_mapping
+        mapping[:-1] = remap(mapping[:-1])
+
     # ------------------------------------------------------------------ allocation
+    def _ensure(self, logical_pages: int, physical_pages: int) -> bool:
+        """Grant units so that both sides hold this many free pages at once."""
+        return self.arena.ensure(logical_pages, physical_pages)
+
     def alloc_decode(
         self,
         seq_lens: torch.Tensor,
@@ -363,9 +407,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             if a.need_sort and need_pages > len(a.free_pages):
                 a.merge_and_sort_free()
         # Check both first: the paged allocator cannot roll back one side if the other fails.
-        if need_pages > len(self.logical_attn_allocator.free_pages) or need_pages > len(
-            self.hisparse_attn_allocator.free_pages
-        ):
+        if not self._ensure(need_pages, need_pages):
             return None
         logical = self.logical_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         # When a token starts a new page the kernel ignores last_loc, so a previous page that has
@@ -385,13 +427,11 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         last_loc: torch.Tensor,
         extend_num_tokens: int,
     ) -> Optional[torch.Tensor]:
-        """Logical locs for a prefill or staged transfer, each with a physical row behind it.
-
-        Upstream HiSparse's allocation; the capacity check is on the two pools it takes from
-        (``available_size`` is the scheduler's budget, which also counts host slots).
-        """
-        need = extend_num_tokens + len(seq_lens) * self.page_size
-        if need > min(self.logical_available_size(), self.physical_available_size()):
+        """Logical locs for a prefill or staged transfer, each with a physical row behind it."""
+        need = get_num_new_pages(
+            seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+        )
+        if not self._ensure(need, need):
             return None
         logical = self.logical_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
@@ -403,6 +443,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             seq_lens_cpu,
             self.get_last_loc_hisparse_device(last_loc),
             len(logical),
+            num_new_pages=need,
         )
         assert logical is not None and physical is not None
         self.full_to_hisparse_device_index_mapping[logical] = physical
@@ -411,22 +452,34 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def alloc_prompt(self, num_tokens: int, to_host: bool) -> Optional[torch.Tensor]:
         """PD pre-allocation for ``num_tokens`` prompt positions of a new request, starting at a
         page boundary (position 0, or the end of a cached prefix): whole logical pages, and behind
-        each either a physical page with the same in-page offsets (the transfer lands in GPU rows)
-        or, ``to_host``, a host page (:meth:`alloc_extend_to_host`). Returns the logical locs
-        (int64 on the device), or ``None`` with nothing taken when a pool is short."""
+        each either a physical page with the same in-page offsets (the transfer lands in GPU rows;
+        their units are pinned physical until :meth:`unpin_prompt`) or, ``to_host``, a host page
+        (:meth:`alloc_extend_to_host`). Returns the logical locs (int64 on the device), or
+        ``None`` with nothing taken when a pool is short."""
         if to_host:
             return self.alloc_extend_to_host(num_tokens)
         page = self.page_size
-        # One page more than the prompt's: its first decode token may open a new page.
-        need = ceil_align(int(num_tokens), page)
-        if need == 0:  # the whole prompt is a cached prefix
+        pages = -(-int(num_tokens) // page)
+        if pages == 0:  # the whole prompt is a cached prefix
             return torch.empty((0,), dtype=torch.int64, device=self.device)
-        if need + page > min(self.logical_available_size(), self.physical_available_size()):
+        # One page more than the prompt's: its first decode token may open a new page.
+        if not self.fits((pages + 1) * page, (pages + 1) * page) or not self._ensure(pages, pages):
             return None
-        logical = self.logical_attn_allocator.alloc(need)
-        physical = self.hisparse_attn_allocator.alloc(need)
+        logical = self.logical_attn_allocator.alloc(pages * page)
+        physical = self.hisparse_attn_allocator.alloc(pages * page)
         self.full_to_hisparse_device_index_mapping[logical] = physical
+        # The prefill side writes these rows while the scheduler runs: their units must not move.
+        self.arena.pin(physical[::page].cpu().numpy() // page)
         return logical[:num_tokens]
+
+    def unpin_prompt(self, logical_locs: torch.Tensor) -> None:
+        """The transfer into :meth:`alloc_prompt`'s rows has ended (admitted or failed)."""
+        page = self.page_size
+        if logical_locs.numel() == 0:
+            return
+        first = logical_locs.to(self.device, torch.int64)[::page]
+        physical = self.full_to_hisparse_device_index_mapping[first]
+        self.arena.unpin(physical.cpu().numpy() // page)
 
     def alloc_extend_to_host(self, num_tokens: int) -> Optional[torch.Tensor]:
         """PD direct-to-host pre-allocation for ``num_tokens`` positions from a page boundary.
@@ -443,10 +496,12 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
                 "(call register_host_pool first)"
             )
         page = self.page_size
-        need = ceil_align(int(num_tokens), page)
+        need = -(-int(num_tokens) // page) * page
         if need == 0:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
-        if need > self.logical_available_size() or need > self.host_pool.available_size():
+        if need > self.logical_obtainable() or need > self.host_pool.available_size():
+            return None
+        if not self._ensure(need // page, 0):
             return None
         host = self.host_pool.alloc(need)
         if host is None:
@@ -589,6 +644,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         return self.kv_offload.pd_kv_destination_locs(kv_indices)
 
     def clear(self):
+        self.arena.reset()
         super().clear()
         if self.loc_to_host is not None:
             # /flush_cache when idle: the radix cache's locs are dropped with their host slots.

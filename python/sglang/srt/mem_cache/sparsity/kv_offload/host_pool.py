@@ -260,6 +260,10 @@ def _unpin_host_buffer(buffer: torch.Tensor, device: torch.device) -> None:
 
 
 def logical_capacity(device_pool) -> int:
-    """Token capacity of the logical (req_to_token / index) space of a device pool."""
+    """Token capacity of the logical (req_to_token / index) space of a device pool: for the kv
+    offload arena, its logical tokens when every unit is logical."""
+    sizing = getattr(device_pool, "sizing", None)
+    if sizing is not None:
+        return sizing.logical_tokens
     n = getattr(device_pool, "logical_size", None)
     return int(n) if n is not None else int(device_pool.size)

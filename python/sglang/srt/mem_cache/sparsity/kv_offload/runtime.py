@@ -33,8 +33,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     KVOffloadTokenToKVPoolAllocator,
     index_row_bytes,
     kv_row_bytes,
-    physical_slots_needed,
-    split_gpu_budget,
+    size_arena,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.hooks import KVOffloadHooks
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
@@ -77,9 +76,8 @@ def device_pool_factory(
     """``KVCacheConfigurator`` hook: the DSA pool class to build, as a factory.
 
     Takes the DSA pool's arguments (``size`` is what the profiler granted at the full per-token
-    cost, KV + index) and re-splits that byte budget into physical KV rows (sparse slots, decode
-    tails, prompt staging for ``max_running_requests`` requests) and logical tokens (index keys
-    only).
+    cost, KV + index) and lays that byte budget out as one arena per layer, shared by physical KV
+    rows and logical index pages (:mod:`~.arena`).
     """
 
     def build(size: int, **kwargs) -> KVOffloadDSATokenToKVPool:
@@ -99,7 +97,8 @@ def build_device_pool(
     dcp_replicated: bool = False,
     **pool_kwargs,
 ) -> KVOffloadDSATokenToKVPool:
-    """The split DSA device pool for a profiled budget of ``size`` full-cost tokens."""
+    """The arena DSA device pool for a profiled budget of ``size`` full-cost tokens: the same bytes
+    upstream would give ``size`` tokens of KV rows and index keys, as one arena per layer."""
     if index_kpool != 1 or index_kpool_compress or dcp_replicated or any(skip_topk_layers or ()):
         raise KVOffloadConfigError(
             "--enable-kv-offload needs one index key per token in every layer (index_kpool 1, "
@@ -116,56 +115,36 @@ def build_device_pool(
     index_row = index_row_bytes(pool_kwargs["index_head_dim"])
     page = pool_kwargs["page_size"]
     verify_tokens, tail_pages = speculative_shape(page)
-    if config.sparse_slots_per_req < verify_tokens * topk:
+    slots = config.sparse_slots_per_req
+    if slots < verify_tokens * topk:
         # A verify step's draft tokens may select disjoint top-k sets, all resident at once.
         raise KVOffloadConfigError(
-            f"--kv-offload-config: sparse_slots_per_req={config.sparse_slots_per_req} cannot hold "
+            f"--kv-offload-config: sparse_slots_per_req={slots} cannot hold "
             f"the union of the top-k ({topk}) of the {verify_tokens} tokens a speculative verify "
             f"step checks per request. Set sparse_slots_per_req to at least "
             f"{ceil_align(verify_tokens * topk, page)} or lower --speculative-num-draft-tokens."
         )
     budget = size * (row + index_row) * layers
-    staging = max(model_config.context_len, get_schedule().chunked_prefill_size or 0)
-    slots = config.sparse_slots_per_req
-    physical = config.sparse_pool_slots or physical_slots_needed(
-        max_running, slots, staging, page, tail_pages
-    )
-    if config.pd_direct_to_host:
-        # admit_from_host must always find every running request's slots and tail pages.
-        floor = physical_slots_needed(max_running, slots, 0, page, tail_pages)
-        if physical < floor:
-            raise KVOffloadConfigError(
-                f"--kv-offload-config: sparse_pool_slots={physical} is too small for "
-                f"pd_direct_to_host: {max_running} requests x (sparse_slots_per_req={slots} + "
-                f"{tail_pages} tail pages) need {floor}. Set it to 0 (auto) or at least {floor}."
-            )
-    # Otherwise any prompt the server accepts must be able to stage in GPU rows beside one
-    # request's promise (sparse slots + tail pages), or it would wait for ever.
-    elif physical < physical_slots_needed(1, slots, staging, page, tail_pages):
-        floor = physical_slots_needed(1, slots, staging, page, tail_pages)
-        raise KVOffloadConfigError(
-            f"--kv-offload-config: sparse_pool_slots={physical} cannot stage a prompt of the "
-            f"context length ({staging} tokens) beside one request's sparse slots "
-            f"(sparse_slots_per_req={slots} + {tail_pages} tail pages): it needs at least "
-            f"{floor}. Set it to 0 (auto), at least {floor}, or lower --context-length."
-        )
-    sizing = split_gpu_budget(
+    sizing = size_arena(
         budget,
         layers,
         row,
-        physical,
+        index_row,
         page,
-        index_row_bytes=index_row + LOGICAL_STATE_BYTES_PER_LAYER,
-        draft_bytes_per_token=_draft_bytes_per_token(model_config, row + index_row),
+        logical_loc_bytes=LOGICAL_STATE_BYTES_PER_LAYER * layers
+        + _draft_bytes_per_token(model_config, row + index_row),
     )
+    # One sparse request must fit beside a prompt page: its slots and tail pages.
+    most = (sizing.physical_rows - (tail_pages + 1) * page) // page * page
+    if slots > most:
+        raise KVOffloadConfigError(
+            f"--kv-offload-config: sparse_slots_per_req={slots} does not fit this GPU budget, "
+            f"whose arena holds {sizing.physical_rows} KV rows per layer: a sparse request holds "
+            f"its slots and {tail_pages} tail pages. Use at most {max(most, 0)} (and at least the "
+            f"top-k, {ceil_align(topk, page)}), or raise --mem-fraction-static."
+        )
     sizing = dataclasses.replace(sizing, tail_pages=tail_pages, verify_tokens=verify_tokens)
-    return KVOffloadDSATokenToKVPool(
-        physical_size=sizing.physical_slots,
-        logical_size=sizing.logical_tokens,
-        offload_config=config,
-        sizing=sizing,
-        **pool_kwargs,
-    )
+    return KVOffloadDSATokenToKVPool(sizing=sizing, offload_config=config, **pool_kwargs)
 
 
 def _draft_bytes_per_token(model_config, layer_bytes: int) -> int:
@@ -179,16 +158,7 @@ def _draft_bytes_per_token(model_config, layer_bytes: int) -> int:
 def build_allocator(pool: KVOffloadDSATokenToKVPool, need_sort: bool):
     """``KVCacheConfigurator`` hook, where upstream builds the token allocator: the split
     allocator over :func:`build_device_pool`'s pool."""
-    sizing = pool.sizing
-    return KVOffloadTokenToKVPoolAllocator(
-        sizing.logical_tokens,
-        sizing.physical_slots,
-        pool.page_size,
-        pool.dtype,
-        pool.device,
-        pool,
-        need_sort,
-    )
+    return KVOffloadTokenToKVPoolAllocator(pool.page_size, pool.dtype, pool.device, pool, need_sort)
 
 
 def init_offload(runner) -> None:
@@ -267,17 +237,22 @@ def init_offload(runner) -> None:
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
     # must agree when nothing is allocated.
     runner.max_total_num_tokens = allocator.available_size()
+    layout = sizing.layout
     logger.info(
-        "kv offload: %d logical tokens (index %.2f GB), %d physical KV rows (%.2f GB, %d B x %d "
-        "layers), host pool %d tokens (%.2f GB), %d sparse slots per request",
-        sizing.logical_tokens,
-        sizing.index_bytes / 1e9,
-        sizing.physical_slots,
-        sizing.kv_bytes / 1e9,
-        pool.row_bytes,
+        "kv offload: GPU arena %.2f GB (%d layers x %d units of %d KV pages or %d index pages): up "
+        "to %d logical tokens or %d KV rows (%d B); host pool %d tokens (%.2f GB); requests up to "
+        "%d tokens stay on the GPU, longer ones hold %d sparse slots",
+        sizing.arena_bytes / 1e9,
         pool.layer_num,
+        layout.num_units,
+        layout.unit_pages,
+        layout.logical_pages_per_unit,
+        sizing.logical_tokens,
+        sizing.physical_rows,
+        pool.row_bytes,
         host.size,
         host.size * host.get_size_per_token() / 1e9,
+        config.sparse_slots_per_req,
         config.sparse_slots_per_req,
     )
 
@@ -318,6 +293,9 @@ class KVOffloadRuntime(KVOffloadHooks):
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
         # when their transfer succeeds (admit_transferred), never at a decode step.
         self._host_prealloc: Set[int] = set()
+        # PD requests whose transfer lands in GPU rows: (first position, positions) pinned in the
+        # arena until the transfer ends.
+        self._gpu_prealloc: Dict[int, Tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
@@ -343,6 +321,7 @@ class KVOffloadRuntime(KVOffloadHooks):
                 )
             # Its prompt (or a resumed request's restored context) is in GPU rows; the token
             # about to be decoded has a loc but no KV yet.
+            self._unpin(r)
             coordinator.admit(r, n, written_len=w)
         failed = dict(coordinator.before_decode_step(req_pool_indices, seq_lens, written_lens))
         for req in batch.reqs:
@@ -351,38 +330,58 @@ class KVOffloadRuntime(KVOffloadHooks):
                 # This step's output of the request is discarded and it ends with the error.
                 req.to_finish = FINISH_ABORT(reason, HTTPStatus.SERVICE_UNAVAILABLE, "kv_offload")
 
+    def _final_len(self, req) -> int:
+        """Positions a request may reach: its prompt and its most new tokens, within the context."""
+        context = self.req_to_token_pool.req_to_token.shape[1]
+        max_new = req.sampling_params.max_new_tokens
+        total = len(req.origin_input_ids) + (context if max_new is None else max_new)
+        return min(total, context)
+
     def prepare_extend(self, batch) -> None:
-        # After alloc_for_extend: each row's [0, prefix_len) holds its prefix's logical locs.
+        # After alloc_for_extend: each row's [0, prefix_len) holds its prefix's logical locs, and
+        # [prefix_len, seq_len) this chunk's. Every staged request is promised its rows from now.
+        coordinator = self.coordinator
+        for req in batch.reqs:
+            r = req.kv.req_pool_idx
+            if r not in coordinator.requests:
+                coordinator.reserve(r, self._final_len(req), staged_len=req.kv.kv_allocated_len)
         rows = self.req_to_token_pool.req_to_token
         prefixes = [rows[r.kv.req_pool_idx, : r.prefix_len] for r in batch.reqs if r.prefix_len]
         if prefixes:
-            self.coordinator.restore_for_extend(prefixes)
+            coordinator.restore_for_extend(prefixes)
 
     def can_stage_prefill(self, req, scheduled: Sequence) -> bool:
-        # The token budget (available_size) counts logical tokens and host slots; this gate checks
-        # the GPU KV rows: the whole rest of each prompt stages in GPU rows (chunks included) until
-        # the request decodes and its pages are backed up, and once decoding a request may hold its
-        # sparse slots and two tail pages.
+        # The token budget (available_size) counts logical locs and host slots; this gate checks the
+        # arena for the GPU KV rows too: the rest of each new prompt stages in GPU rows (chunks
+        # included) until the request decodes, and each is promised its rows (its whole context
+        # if it stays resident, else its sparse slots and tail pages), beside the requests already
+        # promised theirs (staged ones included: prepare_extend promised them).
         coordinator = self.coordinator
         page = coordinator.page_size
-        reqs = [req, *scheduled]
         # With the radix cache a prefix may be cached pages on the host, read back into GPU rows
         # for the prefill (prepare_extend): counted as staging (a chunked prompt's own earlier
         # chunks, already in GPU rows, then count twice: conservative).
         shared = coordinator.share_prefixes
-        staging = sum(
-            ceil_align(len(r.full_untruncated_fill_ids) - (0 if shared else r.prefix_len), page)
-            for r in reqs
-        )
-        promised = coordinator.reservations
-        unpromised = [r for r in reqs if r.kv.req_pool_idx not in promised]
-        # Requests holding a request row whose prompt is staged (prefilled, or a chunked prompt
-        # part way) but that no decode step has admitted yet; ``reqs`` are counted above.
-        pool = self.req_to_token_pool
-        live = pool.size - pool.available_size()
-        listed = {r.kv.req_pool_idx for r in unpromised if r.kv.req_pool_idx is not None}
-        staged_unadmitted = max(0, live - len(promised) - len(listed))
-        if coordinator.can_stage(staging, len(unpromised) + staged_unadmitted):
+        promised = coordinator.reservations  # a chunked prompt part way: since its first chunk
+        new = [r for r in (req, *scheduled) if r.kv.req_pool_idx not in promised]
+        prompts = []
+        for r in new:
+            rest = len(r.full_untruncated_fill_ids) - r.prefix_len
+            staging = rest + (r.prefix_len if shared else 0)
+            prompts.append((ceil_align(staging, page), ceil_align(rest, page), self._final_len(r)))
+        if new and new[0] is req and not coordinator.can_ever_stage(*prompts[0]):
+            # It would wait for ever: the token budget (logical locs) admits longer prompts than
+            # the GPU can stage. Upstream's abort leaves a one-token prompt that prefills next
+            # round and ends with this error.
+            held = coordinator.allocator.arena.layout.resident_tokens
+            req.set_finish_with_abort(
+                f"kv offload: this prompt ({len(req.full_untruncated_fill_ids)} tokens, "
+                f"{self._final_len(req)} with its new tokens) needs more GPU KV rows at once than "
+                f"the whole GPU budget holds ({held} tokens kept on the GPU). Send a shorter "
+                "prompt or raise --mem-fraction-static."
+            )
+            return False
+        if coordinator.can_stage(prompts):
             return True
         coordinator.stats["prefill_waits"] += 1
         return False
@@ -393,6 +392,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         if req_pool_idx is None:
             return
         self._host_prealloc.discard(req_pool_idx)
+        self._unpin(req_pool_idx)
         self.coordinator.release(req_pool_idx, kv_len=kv_len)
 
     def on_scheduler_iteration(self) -> None:
@@ -425,7 +425,8 @@ class KVOffloadRuntime(KVOffloadHooks):
         fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
         page = self.coordinator.page_size
         staging = ceil_align(fill_len, page) if self._stages_on_gpu(req) else 0
-        return self.coordinator.can_reserve(staging)
+        prompt = (staging, ceil_align(fill_len, page), self._final_len(req))
+        return self.coordinator.can_stage([prompt])
 
     def pd_prealloc(self, req, fill_len: int, prefix_len: int) -> Optional[torch.Tensor]:
         # The prefix (``--disaggregation-decode-enable-radix-cache``) is the tree's; the prefill
@@ -438,11 +439,21 @@ class KVOffloadRuntime(KVOffloadHooks):
         to_host = not self._stages_on_gpu(req)
         locs = self.allocator.alloc_prompt(fill_len - prefix_len, to_host=to_host)
         if locs is not None:
+            r = req.kv.req_pool_idx
             req.kv.kv_allocated_len = fill_len
-            self.coordinator.reserve(req.kv.req_pool_idx)
+            self.coordinator.reserve(r, self._final_len(req), staged_len=fill_len)
             if to_host:
-                self._host_prealloc.add(req.kv.req_pool_idx)
+                self._host_prealloc.add(r)
+            elif locs.numel():
+                self._gpu_prealloc[r] = (prefix_len, fill_len - prefix_len)
         return locs
+
+    def _unpin(self, req_pool_idx: int) -> None:
+        span = self._gpu_prealloc.pop(req_pool_idx, None)
+        if span is not None:
+            start, n = span
+            locs = self.req_to_token_pool.req_to_token[req_pool_idx, start : start + n]
+            self.allocator.unpin_prompt(locs)
 
     def pd_kv_destination_locs(self, logical_locs: torch.Tensor) -> torch.Tensor:
         # The prefill side writes KV pages by page id: physical pages (alloc_prompt gives each
@@ -461,3 +472,5 @@ class KVOffloadRuntime(KVOffloadHooks):
             if r in self._host_prealloc:
                 self._host_prealloc.discard(r)
                 self.coordinator.admit_from_host(r, req.kv.kv_allocated_len, req.prefix_len)
+            else:
+                self._unpin(r)
