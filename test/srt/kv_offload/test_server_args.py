@@ -255,12 +255,26 @@ def test_radix_cache_on_is_accepted_also_on_a_pd_decode_server():
 )
 def test_decode_backend_must_read_flat_slots(dtype, backend, needle):
     msg = rejected(
-        make_args(
-            "--enable-kv-offload", "--kv-cache-dtype", dtype, "--dsa-decode-backend", backend
-        )
+        make_args("--enable-kv-offload", "--kv-cache-dtype", dtype, "--dsa-decode-backend", backend)
     )
     assert f"--dsa-decode-backend {backend} is not supported with --kv-cache-dtype {dtype}" in msg
     assert needle in msg
+
+
+@pytest.mark.parametrize("backend", ["flashmla_sparse", "triton_sparse_mla", "flashmla_auto"])
+def test_fp8_prefill_backend_must_read_physical_rows(backend):
+    """Seen on the CPU real server: fp8 with --dsa-prefill-backend flashmla_sparse and the flag
+    gives other tokens than without it (a chunked prompt's earlier chunks are read by logical
+    token from the physical rows); the flashmla_kv prefill gives the same tokens."""
+    msg = rejected(
+        make_args(
+            "--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3", "--dsa-prefill-backend", backend
+        )
+    )
+    assert f"--dsa-prefill-backend {backend} with --kv-cache-dtype fp8_e4m3" in msg
+    assert "Use --dsa-prefill-backend flashmla_kv" in msg
+    # The bf16 cache's sparse prefill reads rows through the translated page table: accepted.
+    make_args("--enable-kv-offload", "--dsa-prefill-backend", "flashmla_sparse").check_server_args()
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e5m2", "mxfp8"])
