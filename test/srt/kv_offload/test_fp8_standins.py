@@ -152,10 +152,11 @@ def dense_reference(q, cache_rows, indices, sm_scale):
     return out.unsqueeze(1), lse.unsqueeze(-1)
 
 
-@pytest.mark.parametrize("batch,heads,topk", [(3, 64, 64), (2, 128, 128)])
+@pytest.mark.parametrize("batch,heads,topk", [(3, 64, 64), (2, 128, 128), (6, 64, 64)])
 def test_sparse_decode_equals_the_dense_dequantised_reference(batch, heads, topk):
     """Through upstream's ``flash_mla_interface`` as DSA's ``_forward_flashmla_kv`` calls it:
-    -1 entries, duplicated rows, and one query with no valid index (output 0, lse +inf)."""
+    -1 entries, duplicated rows, and one query with no valid index (output 0, lse +inf); the
+    stand-in dequantises the named rows, or (6 x 64 names > 256 rows) the whole cache."""
     from sglang.kernels.ops.attention.flash_mla_interface import (
         flash_mla_with_kvcache,
         get_mla_metadata,

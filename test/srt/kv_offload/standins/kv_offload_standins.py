@@ -509,11 +509,21 @@ def dequantize_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
     lead = rows.shape[:-1]
     flat = rows.reshape(-1, FP8_ROW_BYTES).view(torch.uint8)
     tiles = FP8_NOPE_DIM // FP8_TILE
-    values = flat[:, :FP8_NOPE_DIM].view(torch.float8_e4m3fn).float().view(-1, tiles, FP8_TILE)
+    # e4m3 -> fp32 by a table of the 256 codes (exact; faster than the cast on the CPU)
+    table = torch.arange(256, dtype=torch.uint8, device=rows.device).view(torch.float8_e4m3fn)
+    codes = flat[:, :FP8_NOPE_DIM].reshape(-1).int()
+    values = table.float().index_select(0, codes).view(-1, tiles, FP8_TILE)
     scales = flat[:, FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].contiguous().view(torch.float32)
     nope = (values * scales.unsqueeze(-1)).to(torch.bfloat16).view(-1, FP8_NOPE_DIM)
     rope = flat[:, FP8_ROPE_OFFSET:].contiguous().view(torch.bfloat16)
     return torch.cat([nope, rope], dim=-1).view(*lead, FP8_NOPE_DIM + FP8_ROPE_DIM)
+
+
+def _attendable(rows: torch.Tensor) -> torch.Tensor:
+    """Dequantised rows with NaN as 0 (FlashMLA's reference: an unwritten row never poisons the
+    sum, its weight being 0)."""
+    keys = dequantize_fp8_rows(rows)
+    return keys.masked_fill(torch.isnan(keys), 0.0)
 
 
 def get_mla_decoding_metadata(
@@ -597,9 +607,12 @@ def flash_mla_with_kvcache(
     qf = q.reshape(tokens, h_q, d_qk)
     out = torch.empty((tokens, h_q, head_dim_v), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((tokens, h_q), dtype=torch.float32, device=q.device)
+    # Dequantise the fewer rows (shapes only): the whole cache when the queries name more rows
+    # than it holds (a prefill), else the named rows.
+    dense = _attendable(cache) if cache.shape[0] < tokens * topk else None
     for rows in _row_chunks(tokens, topk * max(d_qk, h_q)):
-        keys = dequantize_fp8_rows(cache[idx[rows].clamp_min(0)])
-        keys = keys.masked_fill(torch.isnan(keys), 0.0)  # an unwritten row never poisons the sum
+        named = idx[rows].clamp_min(0)
+        keys = dense[named] if dense is not None else _attendable(cache[named])
         o, _, l, denom = _sparse_attend(qf[rows], keys, valid[rows], softmax_scale, head_dim_v)
         out[rows] = o.to(torch.bfloat16)
         lse[rows] = torch.where(denom > 0, l, torch.full_like(l, float("inf")))
