@@ -33,13 +33,14 @@ DEFAULT_MODEL_DIR = Path(os.environ.get("KV_OFFLOAD_CACHE", Path.home() / ".cach
 TOKENIZER_VOCAB = 512
 TOKENIZER_CORPUS_SEED = 0
 
-# What an NSA model needs on this stack: the NSA backend with its sparse prefill/decode kernel, bf16
-# KV, no grammar backend (no xgrammar wheel). The radix cache is off by default (tests compare
+# What an NSA model needs on this stack: the NSA backend with its sparse decode kernel, bf16 KV
+# (``--kv-cache-dtype fp8_e4m3 --dsa-decode-backend flashmla_kv`` selects the fp8 rows; the prefill
+# backend follows the KV dtype as upstream resolves it: flashmla_sparse for bf16, flashmla_kv for
+# fp8), no grammar backend (no xgrammar wheel). The radix cache is off by default (tests compare
 # greedy tokens request by request); ``--tiny-radix-cache`` (ours, not upstream's) leaves it on.
 TINY_DEFAULTS = [
     "--attention-backend", "dsa",  # 0.5.23: NSA renamed DSA ("nsa" is a deprecated alias)
-    "--dsa-prefill-backend", "flashmla_sparse",  # 0.5.23: --nsa-*-backend flags are gone
-    "--dsa-decode-backend", "flashmla_sparse",
+    "--dsa-decode-backend", "flashmla_sparse",  # 0.5.23: --nsa-*-backend flags are gone
     "--kv-cache-dtype", "bfloat16",
     "--page-size", "64",
     "--load-format", "dummy",

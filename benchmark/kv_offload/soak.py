@@ -4,7 +4,8 @@
 ``python3 benchmark/kv_offload/soak.py --duration-s 600 --seed 0 --mode both --out soak.json``
 
 Against (a) one real server with the flag and (b) a PD pair with the flag on the decode server
-(``scripts/tiny_server.py`` / ``scripts/tiny_pd.py``; ``--duration-s`` is split between the modes),
+(``scripts/tiny_server.py`` / ``scripts/tiny_pd.py``, fp8 KV as the guide's recipes;
+``--duration-s`` is split between the modes),
 it sends windows of seeded random traffic: prompts from a few tokens to the context limit,
 streaming and not, client aborts racing finishes, mid-stream and mid-request disconnects, bursts
 (one call of ``BURST`` prompts; every server retracts on upstream's ``SGLANG_TEST_RETRACT``
@@ -18,8 +19,7 @@ Checked after every window, once the traffic has drained: a fixed greedy probe (
 the tokens it gave first; every request got a response or an error with a message (a 4xx for
 malformed ones, a 5xx or no answer only while a fault was active); every free count of
 ``/server_info`` is back at its start, nothing promised, no backup pending, the error flags 0;
-bytes loaded = rows loaded x the latent row size of the model config, and the Prometheus counters
-say the same. At the end: no process of ours alive and no ``/dev/shm`` file named after one.
+bytes loaded = rows loaded x the fp8 KV row (656 B), and the Prometheus counters say the same. At the end: no process of ours alive and no ``/dev/shm`` file named after one.
 
 Writes a JSON summary (requests served and errors by kind, faults, retractions, checks passed and
 failed) and exits 1 if any check failed.
@@ -52,21 +52,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "scripts"), str(ROOT / "test" / "srt" / "kv_offload")]
 import tiny_server  # noqa: E402
-from _real_server import TinyServer, wait_until  # noqa: E402
+from _real_server import FP8_KV, FP8_ROW, TinyServer, wait_until  # noqa: E402
 from bench_common import results_json  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
 
 logger = logging.getLogger("soak")
 
 MODEL = json.loads(tiny_server.MODEL_CONFIG.read_text())
-# The tiny server's KV is bf16 (--kv-cache-dtype bfloat16): one latent row per token and layer.
-ROW_BYTES = (MODEL["kv_lora_rank"] + MODEL["qk_rope_head_dim"]) * 2
+# fp8 KV, as the guide's recipes: one 656 B row per token and layer.
+ROW_BYTES = FP8_ROW
 CONTEXT = 1024
 PD_CONTEXT = 2048  # long prompts span 8 chunks: time to fail, stall or kill their transfer
 CHUNK = 256
 RUNNING = 8
 BURST = RUNNING
-COMMON = [
+COMMON = FP8_KV + [
     "--json-model-override-args", json.dumps({"index_topk": 64}),
     "--chunked-prefill-size", str(CHUNK),
     "--max-running-requests", str(RUNNING),

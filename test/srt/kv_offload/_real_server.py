@@ -33,6 +33,24 @@ START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
 IDLE_TIMEOUT_S = 60
 
+# The KV formats of the real-server suites. fp8 is what every recipe of docs/kv_offload.md runs (its
+# flags as written: 656 B rows of 512 e4m3 values, 4 fp32 scales and 64 bf16 rope values, read by
+# FlashMLA's sparse kernel, which upstream then also picks for prefill) and the suites' default;
+# bf16 (1152 B rows) where a test is about bf16.
+FP8_KV = ["--kv-cache-dtype", "fp8_e4m3", "--dsa-decode-backend", "flashmla_kv"]
+BF16_KV = ["--kv-cache-dtype", "bfloat16", "--dsa-decode-backend", "flashmla_sparse"]
+FP8_ROW = 656
+BF16_ROW = 1152
+MODEL_LAYERS = 2  # the tiny model's (fixtures/tiny-deepseek-v32)
+
+
+def assert_row_bytes(state: Dict, row_bytes: int) -> None:
+    """An offload state (``/server_info``) that counts KV rows of ``row_bytes``: its host pool's
+    bytes and the bytes loaded host -> device."""
+    pool = state["host_pool"]
+    assert pool["bytes"] == pool["tokens"] * row_bytes * MODEL_LAYERS, (row_bytes, pool)
+    assert state["loaded_bytes"] == state["loaded"] * row_bytes, (row_bytes, state)
+
 
 # Ports the harness hands out (servers, NCCL/gloo, PD bootstrap, load balancer): below Mooncake's
 # RPC ports (MOONCAKE_RPC_PORTS, set by tiny_pd.pd_env), upstream's own picks below the ephemeral

@@ -1,7 +1,7 @@
 """A real PD pair with ``--enable-kv-offload`` on the decode server, when something goes wrong.
 
-* The prefill server's KV cache dtype differs from the decode server's: the decode side refuses at
-  the first transfer, naming both dtypes and the flag to set (upstream's check in
+* The prefill server's KV cache dtype (bf16) differs from the decode server's (fp8): the decode side
+  refuses at the first transfer, naming both dtypes and the flag to set (upstream's check in
   ``CommonKVReceiver.try_ensure_parallel_info``, which runs with the flag as without it).
 * The prefill server is killed while it prefills and transfers a long prompt: the request fails and
   the decode server serves on with every free count back at its start.
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from _real_server import wait_until  # noqa: E402
+from _real_server import BF16_KV, FP8_KV, wait_until  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-COMMON = [
+COMMON = FP8_KV + [
     "--json-model-override-args", json.dumps({"index_topk": 64}),
     "--chunked-prefill-size", "256",
     "--context-length", "2048",
@@ -39,21 +38,15 @@ def generate(url: str, ids, max_new_tokens: int):
     return requests.post(url + "/generate", json=body, timeout=600)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="SGLang 0.5.23 refuses an fp8 KV cache for MLA models on the CPU "
-    "(kv_cache_configurator: 'CPU FP8 KV cache is only supported for MHA'), and bf16 is the only "
-    "other DSA KV dtype, so a CPU pair cannot differ in KV dtype",
-)
 def test_kv_cache_dtype_mismatch_is_refused_at_the_first_transfer(tmp_path):
-    pair = PDPair(COMMON, OFFLOAD, tmp_path, prefill_extra=["--kv-cache-dtype", "fp8_e4m3"])
+    pair = PDPair(COMMON, OFFLOAD, tmp_path, prefill_extra=BF16_KV)
     try:
         pair.wait_ready()
         assert generate(pair.url, list(range(2, 200)), 8).status_code != 200
         assert pair.decode.proc.wait(120) is not None
         assert (
-            "KV cache dtype mismatch: prefill server has kv_cache_dtype=fp8_e4m3, but decode "
-            "server has kv_cache_dtype=bfloat16. Both servers must use the same --kv-cache-dtype"
+            "KV cache dtype mismatch: prefill server has kv_cache_dtype=bfloat16, but decode "
+            "server has kv_cache_dtype=fp8_e4m3. Both servers must use the same --kv-cache-dtype"
         ) in pair.decode.log()
     finally:
         pair.stop()

@@ -25,14 +25,14 @@ from typing import Dict, List
 
 import pytest
 import requests
-from _real_server import TinyServer, started, wait_until
+from _real_server import FP8_KV, FP8_ROW, TinyServer, assert_row_bytes, started, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from tiny_pd import PDPair  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-COMMON = [
+COMMON = FP8_KV + [  # both servers of each pair and the reference: fp8 KV (656 B rows)
     "--json-model-override-args", json.dumps({"index_topk": 64}),
     "--chunked-prefill-size", "256",
     "--context-length", "1024",
@@ -100,6 +100,7 @@ def test_tokens_through_the_pair_equal_one_server(servers, reference_tokens, mod
         assert a == b, f"{mode}: the {n}-token prompt differs: {a} vs {b}"
     state = pair.decode.wait_no_leak()
     assert state["loaded"] > 0  # top-k rows came from the host pool
+    assert_row_bytes(state, FP8_ROW)
 
 
 def test_direct_to_host_prompts_land_in_the_host_pool(servers, reference_tokens):

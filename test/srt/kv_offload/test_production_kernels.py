@@ -208,12 +208,12 @@ def test_flashmla_fp8_sparse_decode_matches_the_standin(topk):
     ref = reference_decode(q, cache, indices, scale)
     assert out.shape == ref.shape == (batch, 1, heads, NOPE)
     assert relative_error(out, ref) < 2e-2
-    if hasattr(S, "flash_mla_with_kvcache"):  # S20 (branch fp8-cpu): the CPU servers' stand-in
-        standin, _ = S.flash_mla_with_kvcache(
-            q, cache, None, seqlens, NOPE, None, softmax_scale=scale, is_fp8_kvcache=True,
-            indices=indices, kv_format="V32",
-        )  # fmt: skip
-        assert relative_error(out, standin) < 2e-2
+    # S20, the CPU servers' stand-in of this very call
+    standin, _ = S.flash_mla_with_kvcache(
+        q, cache, None, seqlens, NOPE, None, softmax_scale=scale, is_fp8_kvcache=True,
+        indices=indices, kv_format="V32",
+    )  # fmt: skip
+    assert relative_error(out, standin) < 2e-2
 
 
 @pytest.mark.gpu

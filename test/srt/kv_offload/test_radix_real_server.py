@@ -34,7 +34,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 import requests
-from _real_server import TinyServer, started, wait_until
+from _real_server import FP8_KV, TinyServer, started, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from tiny_pd import PDPair  # noqa: E402
@@ -45,7 +45,7 @@ TOPK = 64
 SLOTS = 128
 PAGE = 64
 NEW = 12  # tokens per request
-COMMON = [
+COMMON = FP8_KV + [
     "--tiny-radix-cache",
     "--json-model-override-args", json.dumps({"index_topk": TOPK}),
     "--chunked-prefill-size", "128",

@@ -242,15 +242,59 @@ def test_radix_cache_on_is_accepted_also_on_a_pd_decode_server():
     validate_server_args(args)
 
 
-def test_decode_backend_must_read_flat_slots():
-    msg = rejected(make_args("--enable-kv-offload", "--dsa-decode-backend", "trtllm"))
-    assert "--dsa-decode-backend trtllm" in msg and "fa3 or flashmla_sparse" in msg
+@pytest.mark.parametrize(
+    "dtype, backend, needle",
+    [
+        ("bfloat16", "trtllm", "Use --dsa-decode-backend fa3 or flashmla_sparse"),
+        ("bfloat16", "flashmla_kv", "Use --dsa-decode-backend fa3 or flashmla_sparse"),
+        ("fp8_e4m3", "fa3", "Use --dsa-decode-backend flashmla_kv"),
+        ("fp8_e4m3", "flashmla_sparse", "Use --dsa-decode-backend flashmla_kv"),
+        ("fp8_e4m3", "flashmla_auto", "Use --dsa-decode-backend flashmla_kv"),
+        ("fp8_e4m3", "trtllm", "Use --dsa-decode-backend flashmla_kv"),
+    ],
+)
+def test_decode_backend_must_read_flat_slots(dtype, backend, needle):
+    msg = rejected(
+        make_args("--enable-kv-offload", "--kv-cache-dtype", dtype, "--dsa-decode-backend", backend)
+    )
+    assert f"--dsa-decode-backend {backend} is not supported with --kv-cache-dtype {dtype}" in msg
+    assert needle in msg
+
+
+@pytest.mark.parametrize("backend", ["flashmla_sparse", "triton_sparse_mla", "flashmla_auto"])
+def test_fp8_prefill_backend_must_read_physical_rows(backend):
+    """Seen on the CPU real server: fp8 with --dsa-prefill-backend flashmla_sparse and the flag
+    gives other tokens than without it (a chunked prompt's earlier chunks are read by logical
+    token from the physical rows); the flashmla_kv prefill gives the same tokens."""
     msg = rejected(
         make_args(
-            "--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3", "--dsa-decode-backend", "fa3"
+            "--enable-kv-offload", "--kv-cache-dtype", "fp8_e4m3", "--dsa-prefill-backend", backend
         )
     )
-    assert "Use --dsa-decode-backend flashmla_kv" in msg
+    assert f"--dsa-prefill-backend {backend} with --kv-cache-dtype fp8_e4m3" in msg
+    assert "Use --dsa-prefill-backend flashmla_kv" in msg
+    # The bf16 cache's sparse prefill reads rows through the translated page table: accepted.
+    make_args("--enable-kv-offload", "--dsa-prefill-backend", "flashmla_sparse").check_server_args()
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e5m2", "mxfp8"])
+def test_kv_dtype_without_a_row_layout_is_refused(dtype):
+    """Upstream resolves a DSA model's KV dtype to fp8_e4m3 or bfloat16 on CUDA (and asserts that
+    it did); a platform whose resolution keeps another dtype must not reach the host pool."""
+    args = resolved(make_args("--enable-kv-offload"), kv_cache_dtype=dtype)
+    msg = rejected(args)
+    assert f"--kv-cache-dtype {dtype} is not supported" in msg
+    assert (
+        "Use --kv-cache-dtype fp8_e4m3 (with --dsa-decode-backend flashmla_kv) or bfloat16 "
+        "(with --dsa-decode-backend fa3 or flashmla_sparse)"
+    ) in msg
+
+
+def test_kv_dtype_upstream_refuses_for_dsa_stays_refused():
+    with pytest.raises(
+        AssertionError, match="DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3"
+    ):
+        make_args("--enable-kv-offload", "--kv-cache-dtype", "fp8_e5m2")
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import random
 from typing import List
 
 import pytest
-from _real_server import TinyServer, started
+from _real_server import FP8_KV, TinyServer, started
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ TOPK = 64
 STEPS = 3  # draft chain length (--speculative-num-steps)
 DRAFT_TOKENS = STEPS + 1  # the bonus token and STEPS drafts are verified together
 NEW_TOKENS = 24
-MODEL = [
+MODEL = FP8_KV + [  # fp8 KV (656 B rows), the MTP layer's own pool too
     "--json-model-override-args",
     json.dumps({"index_topk": TOPK, "num_nextn_predict_layers": 1}),
 ]

@@ -77,6 +77,18 @@ S18   CPU: ``kernels.ops.attention.pad.                      the same function w
       seqlens_expand_triton`` (the DSA backend's per-token   device asserts: upstream's Triton kernel
       kv lengths of target-verify / draft-extend) asserts    under the interpreter
       CUDA tensors
+S19   CPU: ``KVCacheConfigurator.configure`` refuses an     the same method without the refusal for
+      fp8 KV cache on the CPU unless the model is MHA        DSA models (other MLA models are still
+      ("CPU FP8 KV cache is only supported for MHA"; its     refused): their fp8 pool is written by
+      CPU fp8 path is Intel AMX attention)                   upstream's torch/Triton (C2) and read by
+                                                             S20
+S20   ``flash_mla.flash_mla_with_kvcache`` and               :func:`flash_mla_with_kvcache`: sparse
+      ``get_mla_decoding_metadata`` (the ``sgl-flash-mla``   attention over the named 656 B fp8 rows
+      wheel), the sparse decode over V3.2's fp8 KV rows      (:func:`dequantize_fp8_rows`: e4m3 x
+      that DSA's ``flashmla_kv`` prefill and decode call     fp32 tile scale, rounded to bf16; then
+      with ``--kv-cache-dtype fp8_e4m3``, through            the bf16 rope), the S6 maths; an empty
+      ``kernels.ops.attention.flash_mla_interface``          schedule (served by the ``flash_mla``
+                                                             stub)
 G1    CUDA: ``sgl_kernel.rmsnorm`` / ``fused_add_rmsnorm``   upstream's own ``RMSNorm.forward_native``
       (``RMSNorm.forward_cuda``)
 G2    CUDA: JIT                                              upstream's own
@@ -104,10 +116,17 @@ C1    CPU only, for speed: upstream Triton kernels that run  torch of the same m
       ``kernels.ops.kvcache.dsa_index_k_cache``,             indexer's block fp8 quantiser
       ``act_quant`` of                                       (:func:`act_quant`)
       ``kernels.ops.quantization.act_quant_triton``
+C2    CPU only: the fp8 KV row quantiser                     :func:`quantize_k_cache_fast_separate`:
+      ``_quantize_k_cache_fast_separate`` of                 the same maths in torch, whose e4m3 cast
+      ``kernels.ops.quantization.dsa_quant_k_cache``         rounds to nearest even as the GPU's
+      (Triton): slow in the interpreter, whose fp32 to       does (its bytes are upstream's wherever
+      e4m3 cast also drops the carry of a round-up           the interpreter rounds exactly)
+      (124.3 -> 64, not 128) and rounds ties away from
+      zero
 ====  =====================================================  =========================================
 
 (No S8: 0.5.23 has no ``Indexer._should_chunk_mqa_logits``. On the CPU platform the MLA KV row write
-already takes upstream's torch ``set_mla_kv_buffer_naive``, so C1 has no memory-pool entry.)
+already scatters the rows in torch; with an fp8 KV cache it quantises them first (C2).)
 
 On a CUDA machine without ``sgl_kernel`` (the lent GPU box) the server also needs ``cpu_stubs/``
 (``sgl_kernel`` import placeholders with ``KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1``, the ``flash_mla``
@@ -442,10 +461,19 @@ def flash_mla_sparse_fwd(
 
 def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
     idx = indices[:, 0, :].long()
-    valid = idx >= 0
+    rows = kv[:, 0, :][idx.clamp_min(0)]  # [s_q, topk, d_qk]
+    out, max_logits, lse, _ = _sparse_attend(q, rows, idx >= 0, sm_scale, d_v)
+    return out.to(q.dtype), max_logits, lse
+
+
+def _sparse_attend(q, rows, valid, sm_scale, d_v):
+    """Softmax attention of ``q [s, h, d]`` over its own ``rows [s, topk, d]`` where ``valid
+    [s, topk]``; values are the first ``d_v`` dims of the rows. Returns the output (softmax
+    dtype), max logits, log-sum-exp (natural log; ``log(1e-30)`` past the max for a row with no
+    valid entry, whose output is 0) and the softmax denominator."""
     cdt = _cdt()
     sdt = torch.float32 if _fast() else torch.float64  # the softmax's
-    rows = kv[:, 0, :][idx.clamp_min(0)].to(cdt)  # [s_q, topk, d_qk]
+    rows = rows.to(cdt)
     scores = torch.einsum("shd,std->sht", q.to(cdt), rows).to(sdt) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     max_logits = scores.amax(dim=-1)
@@ -455,7 +483,140 @@ def _flash_mla_sparse_rows(q, kv, indices, sm_scale, d_v):
     out = torch.einsum("sht,std->shd", p.to(cdt), rows[..., :d_v]).to(sdt)
     out = out / denom.clamp_min(1e-30).unsqueeze(-1)
     lse = torch.log(denom.clamp_min(1e-30)) + safe_max
-    return out.to(q.dtype), max_logits.float(), lse.float()
+    return out, max_logits.float(), lse.float(), denom
+
+
+# ------------------------------------------------------------------------------------------------
+# S20: FlashMLA's sparse attention over the fp8 KV cache (``flashmla_kv``)
+# ------------------------------------------------------------------------------------------------
+# DeepSeek-V3.2's fp8 KV row (FlashMLA's "V32" format): 512 e4m3 values of the latent, one fp32
+# scale per 128 of them, then the 64 rope values in bf16: 656 B.
+FP8_NOPE_DIM = 512
+FP8_TILE = 128
+FP8_ROPE_DIM = 64
+FP8_SCALES_OFFSET = FP8_NOPE_DIM
+FP8_ROPE_OFFSET = FP8_NOPE_DIM + FP8_NOPE_DIM // FP8_TILE * 4
+FP8_ROW_BYTES = FP8_ROPE_OFFSET + FP8_ROPE_DIM * 2
+FLASHMLA_KV_HEADS = (64, 128)  # the head counts the sparse fp8 decode kernel is built for
+FLASHMLA_SCHED_META_INTS = 8  # int32 words per SM part of the legacy decode schedule
+
+
+def dequantize_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``[..., 656]`` bytes of V32 fp8 KV rows to ``[..., 576]`` bf16: each e4m3 value times its
+    tile's fp32 scale, the product rounded once to bf16 (as FlashMLA's reference and upstream's
+    Triton ``dequantize_k_cache`` do), then the rope values as stored."""
+    assert rows.shape[-1] == FP8_ROW_BYTES, f"not a 656 B fp8 KV row: {tuple(rows.shape)}"
+    lead = rows.shape[:-1]
+    flat = rows.reshape(-1, FP8_ROW_BYTES).view(torch.uint8)
+    tiles = FP8_NOPE_DIM // FP8_TILE
+    # e4m3 -> fp32 by a table of the 256 codes (exact; faster than the cast on the CPU)
+    table = torch.arange(256, dtype=torch.uint8, device=rows.device).view(torch.float8_e4m3fn)
+    codes = flat[:, :FP8_NOPE_DIM].reshape(-1).int()
+    values = table.float().index_select(0, codes).view(-1, tiles, FP8_TILE)
+    scales = flat[:, FP8_SCALES_OFFSET:FP8_ROPE_OFFSET].contiguous().view(torch.float32)
+    nope = (values * scales.unsqueeze(-1)).to(torch.bfloat16).view(-1, FP8_NOPE_DIM)
+    rope = flat[:, FP8_ROPE_OFFSET:].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], dim=-1).view(*lead, FP8_NOPE_DIM + FP8_ROPE_DIM)
+
+
+def _attendable(rows: torch.Tensor) -> torch.Tensor:
+    """Dequantised rows with NaN as 0 (FlashMLA's reference: an unwritten row never poisons the
+    sum, its weight being 0)."""
+    keys = dequantize_fp8_rows(rows)
+    return keys.masked_fill(torch.isnan(keys), 0.0)
+
+
+def get_mla_decoding_metadata(
+    cache_seqlens: torch.Tensor,
+    num_q_tokens_per_head_k: int,
+    num_heads_k: int,
+    num_heads_q: Optional[int] = None,
+    is_fp8_kvcache: bool = False,
+    topk: Optional[int] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's split-KV schedule: ``([SM parts, 8] int32, [batch + 1] int32)``. The schedule
+    is an implementation detail of the kernel; the reference reads neither tensor."""
+    device = cache_seqlens.device
+    meta = torch.zeros((get_num_sms(), FLASHMLA_SCHED_META_INTS), dtype=torch.int32, device=device)
+    num_splits = torch.zeros(cache_seqlens.shape[0] + 1, dtype=torch.int32, device=device)
+    return meta, num_splits
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata=None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    kv_format: Optional[str] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's sparse decode over V32 fp8 KV rows: each query token attends to the rows its
+    ``indices`` name (-1 = none), dequantised (:func:`dequantize_fp8_rows`).
+
+    ``q [b, s_q, h_q, 576]`` bf16 with ``h_q`` 64 or 128, ``k_cache [blocks, page, 1, 656]``
+    bytes, ``indices [b, s_q, topk]`` int32 row ids into the cache viewed as ``[-1, 656]``
+    (``block * page + offset``). Returns ``(out [b, s_q, h_q, head_dim_v] bf16, lse [b, h_q, s_q]
+    fp32)``; a query with no valid index gets ``out`` 0 and ``lse`` +inf (FlashMLA's reference,
+    ``tests/ref.py``). Only this mode (``is_fp8_kvcache`` with ``indices``, format V32) is stood
+    in; anything else raises."""
+    b, s_q, h_q, d_qk = q.shape
+    supported = (
+        is_fp8_kvcache
+        and indices is not None
+        and kv_format in (None, "V32")
+        and attn_sink is None
+        and topk_length is None
+        and extra_k_cache is None
+        and extra_indices_in_kvcache is None
+        and extra_topk_length is None
+        and kwargs.get("descale_q") is None
+        and kwargs.get("descale_k") is None
+    )
+    if not supported:
+        raise NotImplementedError(
+            "flash_mla_with_kvcache stand-in (S20): only what DSA's flashmla_kv calls is stood in, "
+            "the sparse decode over V32 fp8 rows (is_fp8_kvcache=True, indices; no attention "
+            "sink, topk_length, extra cache or descale)"
+        )
+    # The kernel's own checks (FlashMLA csrc/api sparse decode).
+    assert q.dtype == torch.bfloat16 and d_qk == FP8_NOPE_DIM + FP8_ROPE_DIM, (q.dtype, q.shape)
+    assert head_dim_v == FP8_NOPE_DIM, head_dim_v
+    assert h_q in FLASHMLA_KV_HEADS, f"FlashMLA sparse decode runs 64 or 128 q heads, not {h_q}"
+    assert k_cache.dim() == 4 and k_cache.shape[2] == 1, tuple(k_cache.shape)
+    assert k_cache.shape[-1] == FP8_ROW_BYTES, tuple(k_cache.shape)
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q), indices.shape
+    if softmax_scale is None:
+        softmax_scale = d_qk**-0.5
+    topk = indices.shape[-1]
+    tokens = b * s_q
+    cache = k_cache.reshape(-1, FP8_ROW_BYTES)
+    idx = indices.reshape(tokens, topk).long()
+    valid = idx >= 0
+    qf = q.reshape(tokens, h_q, d_qk)
+    out = torch.empty((tokens, h_q, head_dim_v), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((tokens, h_q), dtype=torch.float32, device=q.device)
+    # Dequantise the fewer rows (shapes only): the whole cache when the queries name more rows
+    # than it holds (a prefill), else the named rows.
+    dense = _attendable(cache) if cache.shape[0] < tokens * topk else None
+    for rows in _row_chunks(tokens, topk * max(d_qk, h_q)):
+        named = idx[rows].clamp_min(0)
+        keys = dense[named] if dense is not None else _attendable(cache[named])
+        o, _, l, denom = _sparse_attend(qf[rows], keys, valid[rows], softmax_scale, head_dim_v)
+        out[rows] = o.to(torch.bfloat16)
+        lse[rows] = torch.where(denom > 0, l, torch.full_like(l, float("inf")))
+    return out.view(b, s_q, h_q, head_dim_v), lse.view(b, s_q, h_q).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -836,6 +997,25 @@ def set_index_k_and_scale(pool, buf, loc, index_k, index_k_scale) -> None:
     buf[page[:, None], scale_cols] = scale.view(torch.uint8).reshape(loc.numel(), 4)
 
 
+def quantize_k_cache_fast_separate(
+    k_nope: torch.Tensor, k_rope: torch.Tensor, group_size: int = 128
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``dsa_quant_k_cache._quantize_k_cache_fast_separate`` (C2, the fp8 KV row write): per
+    ``group_size`` latent values ``s = max|x| / 448`` and ``e4m3(clamp(x * (1 / s)))`` in fp32,
+    rounded to nearest even as the GPU's cast rounds; returns ``(nope_part [n, 1, 512 + 4 * 4],
+    rope_part [n, 1, 2 * 64])`` bytes: the e4m3 values then the fp32 scales, and the rope values
+    unchanged."""
+    n, dim_nope = k_nope.shape
+    groups = k_nope.float().view(n, dim_nope // group_size, group_size)
+    scale = groups.abs().amax(dim=-1) / FP8_E4M3_MAX
+    inv = 1.0 / scale
+    values = (groups * inv.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    values = values.to(torch.float8_e4m3fn).view(torch.uint8).view(n, dim_nope)
+    nope_part = torch.cat([values, scale.view(torch.uint8).view(n, -1)], dim=1)
+    rope_part = k_rope.contiguous().view(torch.uint8).view(n, -1)
+    return nope_part.unsqueeze(1), rope_part.unsqueeze(1)
+
+
 def _cpu_only(patch: Callable) -> Callable:
     def apply(module) -> None:
         if not torch.cuda.is_available():
@@ -918,6 +1098,14 @@ def _patch_act_quant_triton(module) -> None:
 
 
 @_cpu_only
+def _patch_dsa_quant_k_cache(module) -> None:
+    # C2: the fp8 KV row write quantises with a Triton kernel; the interpreter runs it program by
+    # program and its fp32 -> e4m3 cast drops the carry of a round-up (124.3 -> 64, not 128) and
+    # rounds ties away from zero, so on the CPU the bytes would differ from the GPU's.
+    module._quantize_k_cache_fast_separate = quantize_k_cache_fast_separate
+
+
+@_cpu_only
 def _patch_mooncake_conn(module) -> None:
     # S13: a PD prefill server copies a chunk's page indices to pinned memory and records a CUDA
     # event when its sender takes host tensors; off CUDA, upstream's other path (the same indices,
@@ -960,6 +1148,21 @@ def _patch_attention_pad(module) -> None:
     )
 
 
+@_cpu_only
+def _patch_kv_cache_configurator(module) -> None:
+    # S19: upstream's CPU platform keeps an fp8 KV cache for MHA on Intel AMX only; a DSA model's
+    # packed fp8 pool (656 B rows) is refused before it is built. The pool's writes are torch and
+    # Triton (``quantize_k_cache_separate``); the reads are FlashMLA's (S20). Let DSA through.
+    _replace_in_method(
+        module,
+        module.KVCacheConfigurator,
+        "configure",
+        "if current_platform.is_cpu() and self.kv_cache_dtype == torch.float8_e4m3fn:\n",
+        "if current_platform.is_cpu() and self.kv_cache_dtype == torch.float8_e4m3fn"
+        " and not is_deepseek_dsa(self.model_config.hf_config):  # S19\n",
+    )
+
+
 PATCHES: Dict[str, Callable] = {
     "sglang.kernels.ops.attention.pad": _patch_attention_pad,
     "sglang.srt.models.deepseek_v2": _patch_deepseek_v2,
@@ -969,7 +1172,9 @@ PATCHES: Dict[str, Callable] = {
     # nsa.triton_kernel.act_quant -> kernels.ops.quantization.act_quant_triton
     "sglang.kernels.ops.kvcache.dsa_index_k_cache": _patch_index_buf_accessor,
     "sglang.kernels.ops.quantization.act_quant_triton": _patch_act_quant_triton,
+    "sglang.kernels.ops.quantization.dsa_quant_k_cache": _patch_dsa_quant_k_cache,
     "sglang.srt.server_args": _patch_server_args,
+    "sglang.srt.mem_cache.kv_cache_configurator": _patch_kv_cache_configurator,
     "sglang.srt.layers.attention.dsa.dsa_indexer": _patch_dsa_indexer,
     "sglang.srt.model_loader.loader": _patch_loader,
     "sglang.srt.layers.rotary_embedding.rope_variant": _patch_rope_variant,
@@ -1013,7 +1218,8 @@ _TRACED = (
     "fast_topk_transform_ragged_fused flash_mla_sparse_fwd initialize_dummy_weights act_quant "
     "set_index_k_and_scale fused_moe_dense assign_req_to_token_pool_cpu assign_extend_cache_locs_cpu "
     "assign_draft_cache_locs_contiguous_cpu fill_bonus_tokens_cpu fill_accept_out_cache_loc_cpu "
-    "build_tree_kernel_efficient_cpu verify_tree_greedy_cpu"
+    "build_tree_kernel_efficient_cpu verify_tree_greedy_cpu get_mla_decoding_metadata "
+    "flash_mla_with_kvcache quantize_k_cache_fast_separate"
 ).split()
 
 

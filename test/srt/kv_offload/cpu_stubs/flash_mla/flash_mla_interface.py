@@ -1,6 +1,14 @@
 """CPU stand-in: ``flash_mla_interface`` imports ``FlashMLASchedMeta`` from here at module level."""
 
+from dataclasses import dataclass
+from typing import Any
 
-class FlashMLASchedMeta:  # placeholder type; the sparse prefill/decode path never builds one
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("flash_mla.FlashMLASchedMeta is not available (flash_mla stub)")
+
+@dataclass
+class FlashMLASchedMeta:
+    """The wheel's schedule holder: ``kernels.ops.attention.flash_mla_interface`` wraps the legacy
+    schedule tensors of ``get_mla_decoding_metadata`` in one before the sparse fp8 decode (S20);
+    the reference reads neither."""
+
+    tile_scheduler_metadata: Any = None
+    num_splits: Any = None

@@ -33,6 +33,10 @@ SUPPORTED_DECODE_BACKENDS = {
     "fp8_e4m3": ("flashmla_kv",),
     "bfloat16": ("fa3", "flashmla_sparse"),
 }
+# Prefill backends that read an fp8 cache through a bf16 copy dequantised by logical token (DSA's
+# ragged top-k: a chunked prompt's earlier chunks), where kv offload keeps the KV in physical rows
+# (flashmla_auto picks flashmla_sparse for some batches on Blackwell).
+FP8_RAGGED_PREFILL_BACKENDS = ("flashmla_sparse", "triton_sparse_mla", "flashmla_auto")
 
 
 class KVOffloadConfigError(ValueError):
@@ -346,13 +350,32 @@ def validate_server_args(server_args) -> KVOffloadConfig:
         _check_direct_to_host(cfg)
 
     kv_dtype = cfg.kv_cache_dtype
-    if cfg.dsa_prefill_backend == "flashmla_sparse_q8":
+    prefill_backend = cfg.dsa_prefill_backend
+    fp8_prefill = "flashmla_kv (the default for fp8_e4m3; or leave it unset)"
+    if prefill_backend == "flashmla_sparse_q8":
         _reject(
             "--dsa-prefill-backend flashmla_sparse_q8 writes the prompt KV in its own layout, "
-            "which the host pool does not hold. Use --dsa-prefill-backend flashmla_sparse."
+            "which the host pool does not hold. Use --dsa-prefill-backend "
+            f"{fp8_prefill if kv_dtype == 'fp8_e4m3' else 'flashmla_sparse'}."
+        )
+    if kv_dtype not in SUPPORTED_DECODE_BACKENDS:
+        formats = " or ".join(
+            f"{dtype} (with --dsa-decode-backend {' or '.join(backends)})"
+            for dtype, backends in SUPPORTED_DECODE_BACKENDS.items()
+        )
+        _reject(
+            f"--kv-cache-dtype {kv_dtype} is not supported: the host pool holds the DSA KV rows "
+            f"of fp8_e4m3 (656 B) or bfloat16 (1152 B). Use --kv-cache-dtype {formats}."
+        )
+    if kv_dtype == "fp8_e4m3" and prefill_backend in FP8_RAGGED_PREFILL_BACKENDS:
+        _reject(
+            f"--dsa-prefill-backend {prefill_backend} with --kv-cache-dtype fp8_e4m3 reads a "
+            "chunked prompt's earlier KV from a copy dequantised by logical token, but kv offload "
+            "keeps the KV in physical rows (it would attend to the wrong rows). Use "
+            f"--dsa-prefill-backend {fp8_prefill}."
         )
     decode_backend = cfg.dsa_decode_backend
-    if kv_dtype in SUPPORTED_DECODE_BACKENDS and decode_backend is not None:
+    if decode_backend is not None:
         allowed = SUPPORTED_DECODE_BACKENDS[kv_dtype]
         if decode_backend not in allowed:
             _reject(
