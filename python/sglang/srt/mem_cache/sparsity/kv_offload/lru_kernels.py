@@ -443,7 +443,9 @@ def plan_layer(
     hint, slot_loc, lru, ocls, num_slots = state
     assert slot_loc.stride() == lru.stride() and slot_loc.stride(1) == 1
     assert slot_loc.shape[1] <= ws.block_s and hint.stride(1) == 1
+    # The kernel reads a bucket (4 int16 ways) as one 8-byte word.
     assert hint.dtype == torch.int16 and hint.shape[1] <= ws.hint_entries, hint.shape
+    assert hint.shape[1] % 4 == 0 and hint.stride(0) % 4 == 0 and hint.data_ptr() % 8 == 0
     out = ws.out_indices[:bs] if out_indices is None else out_indices
     assert out.dtype == torch.int32 and out.stride(1) == 1 and tuple(out.shape) == (bs, K)
     ws.miss_count.zero_()
