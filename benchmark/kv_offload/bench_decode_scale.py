@@ -128,7 +128,6 @@ class OffloadStack:
         )
         self.sparse = SparseCacheState(
             num_layers=layers,
-            num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=self.r2t.req_to_token.shape[0],  # row 0 pads, requests 1..reqs
             buffer_slots=slots,
             topk=topk,

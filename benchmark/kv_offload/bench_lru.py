@@ -330,10 +330,9 @@ class Bench:
         if self.dev.type == "cuda" and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # give the pinned pages back before pinning more
 
-    def _state(self, bs: int, ctx: int, S: int):
+    def _state(self, bs: int, S: int):
         """Requests 1..bs (request row 0 is upstream's padding row, as in ReqToTokenPool)."""
         dev = self.dev
-        N = bs * ctx
         rows = bs + 1
         ocls = (torch.arange(rows * (S + 64), dtype=torch.int32, device=dev) + 64).view(
             rows, S + 64
@@ -341,7 +340,9 @@ class Bench:
         num_slots = torch.full((rows,), S, dtype=torch.int32, device=dev)
         num_slots[0] = 0
         return self.state_mod.LayerState(
-            loc_to_slot=torch.full((N,), -1, dtype=torch.int32, device=dev),
+            hint=torch.full(
+                (rows, self.state_mod.HINT_ENTRIES_PER_SLOT * S), -1, dtype=torch.int16, device=dev
+            ),
             slot_loc=torch.full((rows, S), -1, dtype=torch.int32, device=dev),
             lru=torch.arange(S, dtype=torch.int16, device=dev).repeat(rows, 1).contiguous(),
             out_cache_loc_sparse=ocls[:, :S].contiguous(),
@@ -427,7 +428,7 @@ class Bench:
         )
 
         def eager_pass(compact: bool, with_copy: bool = True):
-            st = self._state(bs, ctx, S)
+            st = self._state(bs, S)
             t_all, t_plan, misses = [], [], []
             res = None
             for i, lt in enumerate(locs):
@@ -527,13 +528,13 @@ class Bench:
         a, clock = self.a, self.clock
         K = a.topk
         l2h = l2h_steps[0].clone()  # static graph input, refilled per step
-        st = self._state(bs, ctx, S)
+        st = self._state(bs, S)
         ws = self.lru.PlanWorkspace(bs, K, S, self.dev)
         static = locs[0].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (compiles) on a throwaway state
-            tmp = self._state(bs, ctx, S)
+            tmp = self._state(bs, S)
             res = self.lru.plan_layer(static, rpi, nr, l2h, l2t, tmp, ws, num_warps=num_warps)
             self._copy(host_w, dev_w, res, True)
         torch.cuda.current_stream().wait_stream(side)

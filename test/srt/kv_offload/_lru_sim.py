@@ -16,7 +16,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanResult
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import PAGE_SIZE, SparseCacheState
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
+    PAGE_SIZE,
+    SparseCacheState,
+    lookup_slots,
+)
 
 D = 3  # int64 words per fake KV row
 
@@ -47,7 +51,7 @@ class World:
         self.free_at_start = self.alloc.available_size()
         # Requests are rows 1..max_reqs: row 0 is upstream's padding row, as in ReqToTokenPool.
         self.state = SparseCacheState(
-            num_layers, num_logical, max_reqs + 1, buffer_slots, topk, self.alloc, "cpu"
+            num_layers, max_reqs + 1, buffer_slots, topk, self.alloc, "cpu"
         )
         self.loc_to_host = torch.full((num_logical,), -1, dtype=torch.int64)
         self.loc_to_tail = torch.full((num_logical,), -1, dtype=torch.int64)
@@ -56,8 +60,7 @@ class World:
         self.num_phys = tail_base + tail_rows
         self.host_kv = torch.zeros((num_layers, num_logical, D), dtype=torch.int64)
         self.dev_kv = torch.zeros((num_layers, self.num_phys, D), dtype=torch.int64)
-        # The last loc is padding, never a token's: as in the server's mapping (index -1), where
-        # ``SparseCacheState.release`` clears it for every empty slot.
+        # The last loc is padding, never a token's: as in the server's mapping (index -1).
         self.free_locs: List[int] = list(range(num_logical - 1))
         rng.shuffle(self.free_locs)
         self.free_host: List[int] = list(range(num_logical))
@@ -66,13 +69,13 @@ class World:
         self.reqs: Dict[int, List[int]] = {}
         # Shared prefixes (the radix cache): a loc lives while any request's row names it.
         self.loc_refs: Counter = Counter()
-        self.shared_ever = False  # hints are then no longer exact (check_invariants)
-        self.tainted: set = set()  # requests that held a shared loc: LRU checks are relaxed
         self.prev_topk: Dict[int, torch.Tensor] = {}
         self.next_uid = 1
-        # shadow LRU clock per (layer, loc), for the independent victim-order check
+        # shadow LRU clock per (layer, request, slot), for the independent victim-order check
         self.clock = 0
-        self.last_used = torch.full((num_layers, num_logical), -1, dtype=torch.int64)
+        self.last_used = torch.full(
+            (num_layers, max_reqs + 1, self.state.max_slots), -1, dtype=torch.int64
+        )
         self.stats: Counter = Counter()  # what a trace exercised (tests assert coverage)
 
     # ----------------------------------------------------------------- content
@@ -130,8 +133,6 @@ class World:
             else:
                 self._make_tail(loc)
         if prefix:
-            self.shared_ever = True
-            self.tainted.update((r, prefix_of))
             self.stats.update(shared_prefix_tokens=len(prefix))
         self.loc_refs.update(locs)
         self.reqs[r] = locs
@@ -169,10 +170,9 @@ class World:
             self.loc_to_host[loc] = -1
             self.loc_to_tail[loc] = -1
             self.loc_uid[loc] = -1
-            self.last_used[:, loc] = -1
             self.free_locs.append(loc)
+        self.last_used[:, r] = -1
         self.prev_topk.pop(r, None)
-        self.tainted.discard(r)
 
     # ------------------------------------------------------------------- top-k
     def topk_row(
@@ -251,51 +251,65 @@ class World:
         layer: int,
         r: int,
         topk_row: torch.Tensor,
+        found: torch.Tensor,
         before_slot_loc: torch.Tensor,
-        n: int,
+        loaded_rows: torch.Tensor,
         overflow: bool,
     ) -> None:
-        """Independent LRU check for one (layer, request) planned from ``topk_row``."""
+        """Independent LRU check for one (layer, request) planned from ``topk_row``: ``found`` is
+        what ``lookup_slots`` gave for it before the plan, ``loaded_rows`` the physical
+        rows of the row's miss list."""
         st = self.state
+        n = st.num_slots_cpu[r]
         after = st.slot_loc[layer, r, :n]
-        b_res = {int(x) for x in before_slot_loc[:n].tolist() if x >= 0}
-        a_res = {int(x) for x in after.tolist() if x >= 0}
-        t = [x for x in topk_row.tolist() if x >= 0]
-        non_tail = {x for x in t if x in b_res or self.loc_to_tail[x] < 0}
-        needed = non_tail & b_res
-        misses = non_tail - b_res
-        loaded = a_res - b_res
-        evicted = b_res - a_res
+        rows = st.out_cache_loc_sparse[r, :n]
+        loaded_slots = {int(s) for s in torch.nonzero(torch.isin(rows, loaded_rows)).flatten()}
+        valid = topk_row >= 0
+        t, f = topk_row[valid].tolist(), found[valid].tolist()
+        needed = {s for s in f if s >= 0}
+        hit_locs = {x for x, s in zip(t, f) if s >= 0}
+        non_tail = {x for x in t if x in hit_locs or self.loc_to_tail[x] < 0}
+        misses = non_tail - hit_locs
+        loaded = {int(after[s]) for s in loaded_slots}
         if not overflow:
             assert loaded == misses, "loaded set differs from the unique misses"
         else:
             assert loaded <= misses
-        assert not (evicted & needed), "evicted a slot needed this step"
-        empty_before = n - len(b_res)
+        assert len(loaded) == len(loaded_slots), "a miss loaded twice"
+        assert not (loaded_slots & needed), "evicted a slot needed this step"
+        before = before_slot_loc[:n]
+        empty_before = int((before < 0).sum())
+        evicted = [s for s in loaded_slots if int(before[s]) >= 0]
+        # what the new loads made unfindable: their own entry or another's
+        after_found = lookup_slots(st.layer(layer), r, torch.tensor(sorted(loaded | hit_locs)))
         self.stats.update(
-            hits=len(needed),
+            hits=len(hit_locs),
             misses=len(misses),
             evictions=len(evicted),
             tail=sum(1 for x in t if x not in non_tail),
             dups=len(t) - len(set(t)),
             overflow=int(overflow),
+            unnamed=int((after_found < 0).sum()),
         )
+        lu = self.last_used[layer, r]
         if evicted:
-            assert len(loaded) > empty_before, "evicted while empty slots were left"
-            kept = (a_res & b_res) - needed
+            assert len(loaded_slots) > empty_before, "evicted while empty slots were left"
+            kept = [
+                s for s in range(n) if s not in needed and s not in loaded_slots and before[s] >= 0
+            ]
             if kept:
-                lu = self.last_used[layer]
-                ev_t = max(int(lu[x]) for x in evicted)
-                kept_t = min(int(lu[x]) for x in kept)
+                ev_t = max(int(lu[s]) for s in evicted)
+                kept_t = min(int(lu[s]) for s in kept)
                 assert ev_t <= kept_t, "victim is not among the least recently used"
         # hits and loads are the most recent end of the order
-        used = needed | loaded
+        used = needed | loaded_slots
         order = st.lru[layer, r, :n].long()
-        tail_slots = order[n - len(used) :] if used else order[:0]
-        assert {int(x) for x in st.slot_loc[layer, r, tail_slots].tolist()} == used
+        if used:
+            tail_slots = {int(x) for x in order[n - len(used) :]}
+            assert tail_slots == used, "hits and loads are not the most recent"
         self.clock += 1
-        for x in used:
-            self.last_used[layer, x] = self.clock
+        for s in used:
+            lu[s] = self.clock
 
 
 def run_trace(
@@ -363,16 +377,21 @@ def run_trace(
             topk_t = torch.stack(rows)
             topk_copy = topk_t.clone()
             before = w.state.slot_loc[layer].clone()
+            found = [lookup_slots(w.state.layer(layer), r, topk_t[b]) for b, r in enumerate(live)]
             res = plan(topk_t, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(layer))
             assert torch.equal(topk_t, topk_copy), "plan rewrote the indexer's top-k"
             overflow = bool(int(res.error_flags[0]) & 1)
             if check:
                 w.load_and_check(layer, topk_t, rpi, n_real, res, compact)
                 for b, r in enumerate(live):
-                    if r in w.tainted:  # hits depend on hints other rows move: content only
-                        continue
                     w.check_lru_step(
-                        layer, r, topk_t[b], before[r], w.state.num_slots_cpu[r], overflow
+                        layer,
+                        r,
+                        topk_t[b],
+                        found[b],
+                        before[r],
+                        _row_misses(res, b, compact),
+                        overflow,
                     )
                 # padded rows' stale requests that are not live must be untouched
                 for r in set(rpi_list[n_real:]) - set(live):
@@ -380,5 +399,16 @@ def run_trace(
             if on_step is not None:
                 on_step(w, layer, dict(topk=topk_t, rpi=rpi, n_real=n_real, res=res))
         if check:
-            w.state.check_invariants(exact_hints=not w.shared_ever)
+            w.state.check_invariants()
     return w
+
+
+def _row_misses(res: PlanResult, b: int, compact: bool) -> torch.Tensor:
+    """Physical rows of batch row ``b``'s misses (its destinations in the miss list)."""
+    n = int(res.num_misses[b])
+    if not compact:
+        K = res.out_indices.shape[1]
+        return res.miss_dst[b * K : b * K + n]
+    # compact: rows' lists are back to back in any order; row b's destinations are its rows
+    dst = res.miss_dst[: int(res.miss_count[0])]
+    return dst[torch.isin(dst, res.out_indices[b])]

@@ -1,29 +1,34 @@
 """Test reference: the per-layer plan (``lru_kernels.plan_layer``) in plain torch, bit for bit.
 
-Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = num_slots[r]``):
+Semantics, per real batch row ``b`` (request ``r = req_pool_indices[b]``, ``n = num_slots[r]``; real
+rows name distinct requests):
 
-1. For each top-k entry ``t``: -1 stays -1; a loc whose hint names a slot of this request holding
-   it (``s = loc_to_slot[t] >= 0`` and ``slot_loc[r, s] == t``) is a *hit*; otherwise a loc with
-   ``loc_to_tail[t] > 0`` resolves to that tail row (no cache use); anything else is a *miss*.
-   ``loc_to_slot`` is a hint because a shared prefix's locs (radix cache) belong to several
-   requests: it names the slot of the request that loaded the loc last.
+1. For each top-k entry ``t``: -1 stays -1; a loc with a candidate entry of request ``r``'s hint
+   table (``hint_candidates``) naming a slot ``s`` with ``slot_loc[r, s] == t`` is a *hit*;
+   otherwise a loc with ``loc_to_tail[t] > 0`` resolves to that tail row (no cache use); anything
+   else is a *miss*.
 2. Misses are de-duplicated; unique misses are ranked by first occurrence in the row.
 3. The request's LRU order is split, keeping relative order, into *evictable* slots (not hit this
    step) and *needed* slots. The ``M`` unique misses take the first ``min(M, E)`` evictable slots
-   (least recently used first); each victim's previous loc is unmapped if its hint still names
-   that slot. The loaded misses' hints then name their new slots; overflowed ones become -1.
+   (least recently used first); the hint entry naming a victim (among its old loc's candidates)
+   is cleared.
 4. New order: untaken evictable slots, then needed slots, then the newly loaded slots in miss rank
    (hits and loads become most recent).
-5. Outputs: physical rows (tail row, or ``out_cache_loc_sparse[r, slot]``); the miss list packed at
+5. Hints for the loads, in ``HINT_ROUNDS`` rounds over the table as the previous round left it:
+   each load still without an entry (top-k entry ``k`` of its loc's first occurrence) picks the
+   first empty way, in the order ``(k + w) mod 4``, of its bucket with more empty ways (the first
+   bucket on a tie); with none empty, the candidate naming the least recently used slot (by the
+   new order) that is not a load of this plan; with none of those either it gives up. Several
+   loads picking one entry: the lowest ``k`` gets it, the others try again next round.
+6. Outputs: physical rows (tail row, or ``out_cache_loc_sparse[r, slot]``); the miss list packed at
    the front of the row's ``K`` entries, -1 after; ``num_misses[b]``; the total count. (The kernel's
    default *compact* layout holds the same per-row lists back to back, rows in any order.)
 
 Misses beyond the ``E`` evictable slots (contract violation: the request owns too few slots) resolve
 to -1 and set bit 0 of the error flags; a miss whose ``loc_to_host`` is -1 sets bit 1. Padded
 rows (``b >= num_real_reqs[0]``, or request row 0, upstream's padding row) get -1 outputs and
-never touch the state. Rows are planned in order, each seeing the state the rows before it left:
-what the kernel does under ``TRITON_INTERPRET=1`` (one program after the other). On a GPU, rows
-sharing a loc race only over its hint: the rows' outputs stay correct, the final hint may differ.
+never touch the state. Each row reads and writes only its request's state, so the order rows are
+planned in does not matter (the kernel's programs run in any order).
 """
 
 from __future__ import annotations
@@ -32,20 +37,66 @@ import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (  # noqa: F401
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
+    HINT_ROUNDS,
     PlanResult,
 )
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
+    HINT_CANDIDATES,
+    HINT_WAYS,
+    LayerState,
+    hint_candidates,
+    lookup_slots,
+)
 
 
-def _unique_first_occurrence(x: torch.Tensor) -> torch.Tensor:
-    """Unique values of ``x`` ordered by first occurrence."""
+def _unique_first_occurrence(x: torch.Tensor):
+    """Unique values of ``x`` ordered by first occurrence, and the index of each first occurrence."""
     if x.numel() == 0:
-        return x
+        return x, x.long()
     uniq, inv = torch.unique(x, return_inverse=True)
     pos = torch.arange(x.numel(), device=x.device)
     first = torch.full((uniq.numel(),), x.numel(), dtype=torch.int64, device=x.device)
     first.scatter_reduce_(0, inv, pos, reduce="amin")
-    return uniq[torch.argsort(first)]
+    order = torch.argsort(first)
+    return uniq[order], first[order]
+
+
+def _insert_hints(
+    hint_r: torch.Tensor,
+    locs: torch.Tensor,
+    slots: torch.Tensor,
+    lanes: torch.Tensor,
+    age: torch.Tensor,
+    fresh: int,
+) -> None:
+    """Step 5 for one row: name ``slots[i]`` for ``locs[i]`` (top-k entry ``lanes[i]``)."""
+    nb = hint_r.numel() // HINT_WAYS
+    rot = (lanes[:, None] + torch.arange(HINT_WAYS, device=locs.device)) % HINT_WAYS
+    cands = hint_candidates(locs, nb)
+    cands = torch.cat([cands[:, :HINT_WAYS].gather(1, rot), cands[:, HINT_WAYS:].gather(1, rot)], 1)
+    big = torch.iinfo(torch.int64).max
+    pend = torch.ones(locs.numel(), dtype=torch.bool, device=locs.device)
+    for _ in range(HINT_ROUNDS.value):
+        e = hint_r[cands].long()
+        empty = (e < 0).to(torch.int8)
+        empties = [empty[:, :HINT_WAYS].sum(1), empty[:, HINT_WAYS:].sum(1)]
+        first = [
+            cands[:, :HINT_WAYS].gather(1, empty[:, :HINT_WAYS].argmax(1, keepdim=True))[:, 0],
+            cands[:, HINT_WAYS:].gather(1, empty[:, HINT_WAYS:].argmax(1, keepdim=True))[:, 0],
+        ]
+        a = torch.where(e >= 0, age[e.clamp(min=0)], big)
+        a = torch.where(a < fresh, a, big)
+        oldest = cands.gather(1, a.argmin(1, keepdim=True))[:, 0]
+        has_oldest = a.amin(1) < big
+        tgt = torch.where(
+            empties[1] > empties[0], first[1], torch.where(empties[0] > 0, first[0], oldest)
+        )
+        go = pend & ((empties[0] + empties[1] > 0) | has_oldest)
+        best = torch.full((hint_r.numel(),), big, dtype=torch.int64, device=locs.device)
+        best.scatter_reduce_(0, tgt[go], lanes[go], reduce="amin")
+        won = go & (best[tgt] == lanes)
+        hint_r[tgt[won]] = slots[won].to(hint_r.dtype)
+        pend = go & ~won
 
 
 def plan_layer_ref(
@@ -64,7 +115,8 @@ def plan_layer_ref(
     miss_dst = torch.full((bs, K), -1, dtype=torch.int32, device=dev)
     num_misses = torch.zeros((bs,), dtype=torch.int32, device=dev)
     err = 0
-    loc_to_slot, slot_loc, lru, ocls, num_slots = state
+    hint, slot_loc, lru, ocls, num_slots = state
+    nb = hint.shape[1] // HINT_WAYS
 
     for b in range(min(int(num_real_reqs[0]), bs)):
         r = int(req_pool_indices[b])
@@ -74,14 +126,13 @@ def plan_layer_ref(
         t = topk[b].long()
         valid = t >= 0
         tc = t.clamp(min=0)
-        hint = torch.where(valid, loc_to_slot[tc].long(), -1)
-        held = torch.where(hint >= 0, slot_loc[r, hint.clamp(min=0)].long(), -1)
-        hit = valid & (hint >= 0) & (held == t)
-        slot = torch.where(hit, hint, -1)
+        slot = lookup_slots(state, r, t)
+        hit = slot >= 0
         tail = torch.where(valid & ~hit, loc_to_tail[tc].long(), -1)
         is_tail = tail > 0  # 0 is upstream's "unmapped" (row 0 is the padding row)
         miss = valid & ~hit & ~is_tail
-        uq = _unique_first_occurrence(t[miss])
+        uq, first = _unique_first_occurrence(t[miss])
+        lanes = torch.nonzero(miss).flatten()[first]
 
         needed = torch.zeros(n, dtype=torch.bool, device=dev)
         needed[slot[hit]] = True
@@ -94,16 +145,22 @@ def plan_layer_ref(
             err |= ERR_SLOT_OVERFLOW
         victims = evictable[:Mt]
         old = slot_loc[r, victims].long()
-        gone = old >= 0
-        # unmap only where the hint still names the victim slot (not another request's slot)
-        cur = loc_to_slot[old[gone]].long()
-        loc_to_slot[old[gone][cur == victims[gone]]] = -1
-        loc_to_slot[uq[:Mt]] = victims.to(torch.int32)
-        loc_to_slot[uq[Mt:]] = -1  # overflowed misses: their claim goes back to -1
+        oc = hint_candidates(old, nb)
+        named = (old >= 0)[:, None] & (hint[r][oc].long() == victims[:, None])
+        hint[r][oc[named]] = -1
         slot_loc[r, victims] = uq[:Mt].to(torch.int32)
-        lru[r, :n] = torch.cat([evictable[Mt:], kept, victims]).to(lru.dtype)
+        new_order = torch.cat([evictable[Mt:], kept, victims])
+        lru[r, :n] = new_order.to(lru.dtype)
+        age = torch.empty(n, dtype=torch.int64, device=dev)
+        age[new_order] = torch.arange(n, device=dev)
+        _insert_hints(hint[r], uq[:Mt], victims, lanes[:Mt], age, n - Mt)
 
-        fslot = torch.where(valid & ~is_tail, loc_to_slot[tc].long(), -1)
+        # each miss entry takes its loc's victim (-1 past the evictable slots)
+        fslot = torch.where(hit, slot, -1)
+        if M:
+            rank = (t[:, None] == uq[None, :]).to(torch.int8).argmax(dim=1)
+            loaded = torch.cat([victims, victims.new_full((M - Mt,), -1)])
+            fslot = torch.where(miss, loaded[rank], fslot)
         phys = torch.where(fslot >= 0, ocls[r, fslot.clamp(min=0)].long(), -1)
         out[b] = torch.where(is_tail, tail, phys).to(torch.int32)
         host = loc_to_host[uq[:Mt]].long()

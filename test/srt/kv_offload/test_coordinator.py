@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState, lookup_slots
 
 P = 64
 LAYERS = 2
@@ -57,7 +57,6 @@ class Harness:
         share_prefixes=False,
     ):
         self.device = device
-        self.share_prefixes = share_prefixes
         self.pool = offload_device_pool(
             physical_pages * P, logical_pages * P, LAYERS, (torch.float8_e4m3fn, ROW), device
         )
@@ -69,7 +68,6 @@ class Harness:
         self.r2t = ReqToTokenPool(max_reqs, logical_pages * P, device, False)
         self.sparse = SparseCacheState(
             num_layers=LAYERS,
-            num_logical_locs=self.alloc.full_to_hisparse_device_index_mapping.numel(),
             max_reqs=max_reqs + 1,  # request rows 1..max_reqs; row 0 is the padding row
             buffer_slots=buffer_slots,
             topk=TOPK,
@@ -213,7 +211,7 @@ class Harness:
                 assert bool((got > 0).all()) and bool((rows[b, len(pos) :] == -1).all())
                 expect = self.kv[reqs[b]][layer][torch.tensor(pos, dtype=torch.int64)]
                 assert torch.equal(view[got], expect), f"layer {layer} req {reqs[b]} wrong rows"
-        self.sparse.check_invariants(exact_hints=not self.share_prefixes)
+        self.sparse.check_invariants()
 
     def retire(self, r) -> bool:
         """Release a request (finish / abort / retract all free the same way)."""
@@ -316,7 +314,7 @@ def test_speculative_verify_loads_the_union_once_and_backs_up_committed_pages_on
             expect = 0
             for b, r in enumerate(reqs):
                 locs = h.r2t.req_to_token[r][topk[b].flatten().long()].long().unique()
-                resident = (state.loc_to_slot[locs] >= 0) | (
+                resident = (lookup_slots(state, r, locs) >= 0) | (
                     h.alloc.full_to_hisparse_device_index_mapping[locs] > 0
                 )
                 expect += int((~resident).sum())
@@ -566,7 +564,7 @@ def test_gpu_swap_in_captured_in_cuda_graph_matches_eager():
     seq = torch.tensor([h.seq_len(r) for r in reqs] + [1], device="cuda")
     topk = torch.full((bs + 1, TOPK), -1, dtype=torch.int32, device="cuda")
     h.adapter.num_real_reqs.fill_(bs)
-    state = [h.sparse.loc_to_slot, h.sparse.slot_loc, h.sparse.lru] + list(h.pool.kv_buffer)
+    state = [h.sparse.hint, h.sparse.slot_loc, h.sparse.lru] + list(h.pool.kv_buffer)
 
     def run():
         return [
@@ -869,8 +867,8 @@ def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_h
     assert h.start["logical"] - free["logical"] == 128 == h.start["host"] - free["host"]
     h.alloc.free(prefix)  # evicted
     assert h.alloc.free_counts() == h.start
-    h.sparse.check_invariants(exact_hints=False)
-    assert bool((h.sparse.loc_to_slot == -1).all())
+    h.sparse.check_invariants()
+    assert bool((h.sparse.hint == -1).all())
 
 
 def test_direct_to_host_admission_after_a_cached_prefix():

@@ -14,18 +14,24 @@ from lru_ref import (
     ERR_SLOT_OVERFLOW,
     plan_layer_ref,
 )
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import LayerState
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
+    HINT_ENTRIES_PER_SLOT,
+    HINT_WAYS,
+    LayerState,
+    hint_candidates,
+    lookup_slots,
+)
 
 SETTINGS = settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 
 
-def _tiny_state(n: int, num_locs: int = 32) -> LayerState:
+def _tiny_state(n: int) -> LayerState:
     """Request 1 owning ``n`` slots at physical rows 100..100+n-1, all empty, order 0..n-1 (row 0,
     upstream's padding row, has the same layout: a plan must leave it alone)."""
     return LayerState(
-        loc_to_slot=torch.full((num_locs,), -1, dtype=torch.int32),
+        hint=torch.full((2, HINT_ENTRIES_PER_SLOT * n), -1, dtype=torch.int16),
         slot_loc=torch.full((2, n), -1, dtype=torch.int32),
         lru=torch.arange(n, dtype=torch.int16).repeat(2, 1),
         out_cache_loc_sparse=(torch.arange(n, dtype=torch.int32) + 100).repeat(2, 1),
@@ -57,7 +63,7 @@ def test_hand_worked_lru_order_and_victims():
     assert r.out_indices.tolist() == [[102, 101, 103, 100]]
     assert r.num_misses.tolist() == [3]
     assert s.slot_loc[1].tolist() == [9, 6, 7, 8]
-    assert int(s.loc_to_slot[5]) == -1 and int(s.loc_to_slot[9]) == 0
+    assert lookup_slots(s, 1, torch.tensor([5, 9])).tolist() == [-1, 0]
     # order: no untaken evictable; needed (6) keeps its place; then loads by rank 7, 8, 9
     assert s.lru[1].tolist() == [1, 2, 3, 0]
     r = _plan(s, [[7, 9, 10, 11]])  # evicts the two least recent not needed: 6 (slot 1), 8 (slot 3)
@@ -71,7 +77,7 @@ def test_tail_tokens_bypass_the_cache():
     r = _plan(s, [[3, 4, 3, -1]], tails={3: 7, 4: 9})
     assert r.out_indices.tolist() == [[7, 9, 7, -1]]
     assert r.num_misses.tolist() == [0]
-    assert bool((s.loc_to_slot == -1).all()) and s.lru[1].tolist() == [0, 1, 2, 3]
+    assert bool((s.hint == -1).all()) and s.lru[1].tolist() == [0, 1, 2, 3]
 
 
 def test_resident_loc_wins_over_its_tail_row():
@@ -79,6 +85,36 @@ def test_resident_loc_wins_over_its_tail_row():
     _plan(s, [[3, -1, -1, -1]])
     r = _plan(s, [[3, -1, -1, -1]], tails={3: 7})  # backed up page whose tail is not freed yet
     assert r.out_indices[0, 0].item() == 100 and r.num_misses.tolist() == [0]
+
+
+def colliding_locs(count: int, num_buckets: int) -> torch.Tensor:
+    """``count`` locs whose two hint buckets are buckets 0 and 1: 8 entries for all of them."""
+    x = torch.arange(200_000)
+    bucket = hint_candidates(x, num_buckets)[:, [0, HINT_WAYS]] // HINT_WAYS
+    pick = (bucket.amax(dim=1) <= 1) & (bucket[:, 0] != bucket[:, 1])
+    return x[pick][:count]
+
+
+def test_colliding_locs_share_eight_entries():
+    """12 locs whose candidates are the same 8 entries: the first plan names 8 of them (entries
+    contended within a round go to the earliest top-k entry, the losers take what is left next
+    round); the 4 unnamed miss again, each loaded into a new slot while its first copy ages out,
+    and displace the least recently used named slots that are not loads of the same plan."""
+    s = _tiny_state(64)
+    locs = colliding_locs(12, s.hint.shape[1] // HINT_WAYS)
+    row = [locs.tolist() + [-1] * 20]
+    n = int(locs.max()) + 1
+    r = _plan(s, row, num_locs=n)
+    assert r.num_misses.tolist() == [12]
+    found = lookup_slots(s, 1, locs)
+    assert int((found >= 0).sum()) == 8 and int((s.hint[1] >= 0).sum()) == 8
+    r = _plan(s, row, num_locs=n)
+    assert r.num_misses.tolist() == [4]  # the unnamed ones, once each
+    assert int((s.hint[1] >= 0).sum()) == 8
+    again = lookup_slots(s, 1, locs)
+    moved = (found >= 0) & (again < 0)  # named before, displaced by this plan's loads
+    assert int(moved.sum()) > 0 and int((again >= 12).sum()) == int(moved.sum())
+    assert torch.equal(s.slot_loc[1, r.out_indices[0, :12].long() - 100], locs.to(torch.int32))
 
 
 def test_padded_rows_touch_nothing():
@@ -95,7 +131,7 @@ def test_overflow_and_missing_host_copy_are_flagged():
     r = _plan(s, [[1, 2, 3, -1]])
     assert int(r.error_flags[0]) == ERR_SLOT_OVERFLOW
     assert r.out_indices.tolist() == [[100, 101, -1, -1]]  # the unplaced miss resolves to -1
-    assert int(s.loc_to_slot[3]) == -1
+    assert lookup_slots(s, 1, torch.tensor([1, 2, 3])).tolist() == [0, 1, -1]
     s = _tiny_state(4)
     host = torch.arange(32, dtype=torch.int64)
     host[2] = -1
@@ -141,9 +177,10 @@ def test_checks_catch_a_wrong_victim_policy():
             run_trace(seed, _mru_victims, steps=8, max_ctx=400, buffer_slots=64)
 
 
-def test_leaky_release_leaves_stale_hints_that_never_hit():
-    """Releasing without clearing the map leaves stale hints: the next owner of the locs misses
-    them (the hint's slot does not hold the loc in its request), and check_invariants flags them."""
+def test_stale_hint_entries_never_hit_and_are_flagged():
+    """A hint entry whose slot no longer holds its loc (the slots emptied behind the table's back)
+    never resolves: every loc misses again. check_invariants flags such entries, and a release
+    that leaves the table behind."""
 
     def leaky_release(w: World, r: int) -> None:
         n = w.state.num_slots_cpu[r]
@@ -152,28 +189,20 @@ def test_leaky_release_leaves_stale_hints_that_never_hit():
         w.state.num_slots[r] = 0
         w.state.slot_loc[:, r] = -1
 
-    rng = random.Random(0)
-    w = World(rng, num_layers=1, max_reqs=2, num_logical=256, topk=32, buffer_slots=64)
+    w = World(random.Random(0), num_layers=1, max_reqs=2, num_logical=256, topk=32)
     w.add_request(1, 64)  # a full page: every token backed up, none tail
     topk = torch.tensor([w.reqs[1][:32]], dtype=torch.int32)
     rpi = torch.tensor([1])
     nr = torch.tensor([1], dtype=torch.int32)
-    res = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
-    w.load_and_check(0, topk, rpi, 1, res, compact=False)
-    assert int(res.num_misses[0]) == 32
-    locs = w.reqs[1]
+    for stale in (False, True):
+        res = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
+        assert int(res.num_misses[0]) == 32  # the second time: no stale hit
+        w.load_and_check(0, topk, rpi, 1, res, compact=False)
+        if not stale:
+            w.state.slot_loc[:, 1] = -1
+            with pytest.raises(AssertionError, match="names an empty slot"):
+                w.state.check_invariants()
     w.state.release = lambda r: leaky_release(w, r)  # type: ignore[method-assign]
     w.release(1)
-    with pytest.raises(AssertionError, match="stale loc_to_slot hints"):
+    with pytest.raises(AssertionError, match="free req 1 has hint entries"):
         w.state.check_invariants()
-    w.free_locs = [x for x in w.free_locs if x not in locs] + locs[::-1]  # reuse the same locs
-    for r in (1, 2):  # the same request row and another one
-        w.add_request(r, 64)
-        assert set(w.reqs[r]) == set(locs)
-        topk = torch.tensor([w.reqs[r][:32]], dtype=torch.int32)
-        rpi = torch.tensor([r])
-        res = plan_layer_ref(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
-        assert int(res.num_misses[0]) == 32  # no stale hit
-        w.load_and_check(0, topk, rpi, 1, res, compact=False)
-        w.release(r)
-        w.free_locs = [x for x in w.free_locs if x not in locs] + locs[::-1]

@@ -15,15 +15,16 @@ SETTINGS = settings(
 )
 
 
-def _state(pages=8, layers=2, reqs=4, buffer=128, topk=32, locs=1024):
+def _state(pages=8, layers=2, reqs=4, buffer=128, topk=32):
     alloc = make_allocator(pages)
-    return SparseCacheState(layers, locs, reqs, buffer, topk, alloc, "cpu"), alloc
+    return SparseCacheState(layers, reqs, buffer, topk, alloc, "cpu"), alloc
 
 
 def _snapshot(s: SparseCacheState):
-    return [
-        t.clone() for t in (s.loc_to_slot, s.slot_loc, s.lru, s.out_cache_loc_sparse, s.num_slots)
-    ] + [list(s.num_slots_cpu), s.allocator.available_size()]
+    return [t.clone() for t in (s.hint, s.slot_loc, s.lru, s.out_cache_loc_sparse, s.num_slots)] + [
+        list(s.num_slots_cpu),
+        s.allocator.available_size(),
+    ]
 
 
 def _same(a, b) -> bool:
@@ -92,7 +93,7 @@ def test_lifecycle_misuse():
     with pytest.raises(ValueError):
         _state(buffer=16, topk=128)  # 64 slots cannot hold a full top-k
     with pytest.raises(ValueError):
-        SparseCacheState(1, 16, 1, 128, 32, make_allocator_with_page(16), "cpu")
+        SparseCacheState(1, 1, 128, 32, make_allocator_with_page(16), "cpu")
 
 
 def make_allocator_with_page(page: int):
@@ -119,7 +120,7 @@ def test_mark_resident_then_hits():
     with pytest.raises(RuntimeError):
         s.mark_resident(2, torch.tensor([1]))
     s.release(2)
-    assert bool((s.loc_to_slot == -1).all())
+    assert bool((s.hint == -1).all())
 
 
 def test_release_clears_every_entry_after_real_traffic():
@@ -128,7 +129,7 @@ def test_release_clears_every_entry_after_real_traffic():
     for r in list(w.reqs):
         w.release(r)
     s = w.state
-    assert bool((s.loc_to_slot == -1).all()) and bool((s.slot_loc == -1).all())
+    assert bool((s.hint == -1).all()) and bool((s.slot_loc == -1).all())
     assert bool((s.out_cache_loc_sparse == -1).all()) and bool((s.num_slots == 0).all())
     assert w.alloc.available_size() == w.free_at_start
     s.check_invariants()
@@ -170,8 +171,11 @@ def test_random_lifecycle_conserves_slots(ops):
 
 
 def test_metadata_budget():
+    """Nothing per logical token: per slot and layer 4 B of slot_loc, 2 B of lru and 4 B of hint
+    table (2 entries of 2 B); per slot 4 B of physical row."""
     frac = SparseCacheState.metadata_fraction(128 * 1024, 61, 656, 4096)
-    assert frac <= 0.02 and abs(frac - 0.0064) < 0.0002
-    s, _ = _state(pages=4, layers=3, reqs=2, buffer=64, topk=32, locs=500)
-    want = 3 * 500 * 4 + 3 * 2 * 64 * (4 + 2) + 2 * 64 * 4 + 2 * 4
+    assert abs(frac - (10 * 4096 * 61 + 4 * 4096 + 4) / (656 * 131072 * 61)) < 1e-12
+    s, _ = _state(pages=4, layers=3, reqs=2, buffer=64, topk=32)
+    assert s.hint.shape == (3, 2, 128) and s.hint.dtype == torch.int16
+    want = 3 * 2 * 64 * (4 + 2 + 4) + 2 * 64 * 4 + 2 * 4
     assert s.metadata_bytes() == want

@@ -199,7 +199,6 @@ def init_offload(runner) -> None:
     max_reqs = runner.req_to_token_pool.req_to_token.shape[0]
     sparse = SparseCacheState(
         num_layers=pool.layer_num,
-        num_logical_locs=allocator.full_to_hisparse_device_index_mapping.numel(),
         max_reqs=max_reqs,
         buffer_slots=config.sparse_slots_per_req,
         topk=get_dsa_index_topk(runner.model_config.hf_config),

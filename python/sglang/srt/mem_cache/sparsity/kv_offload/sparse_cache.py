@@ -6,19 +6,22 @@ pool shared by all requests. Slot ``s`` of request ``r`` is the physical row
 
 Per layer ``l`` the state is
 
-* ``loc_to_slot[l, loc]`` (int32): local slot of logical loc ``loc`` in the request that loaded it
-  last, -1 if none (the seed's ``cpu_slot_to_gpu_slot``, keyed by logical loc; a hint, see below);
 * ``slot_loc[l, r, s]`` (int32): logical loc held by slot ``s``, -1 if empty (``cache_ids_inverse``);
 * ``lru[l, r, :num_slots[r]]`` (int16): a dense permutation of the request's slots, least recently used
   first (replaces ``cache_ids``/``cache_lens``). The plan kernel keeps it dense, so the seed's
-  per-step ``CompactCacheIdsBlock``/``ReorderOutCacheLocSparse`` passes do not exist here.
+  per-step ``CompactCacheIdsBlock``/``ReorderOutCacheLocSparse`` passes do not exist here;
+* ``hint[l, r, :]`` (int16): the request's own hashed table from loc to slot (the seed's
+  ``cpu_slot_to_gpu_slot``, per request): ``HINT_ENTRIES_PER_SLOT`` entries per slot of
+  ``max_slots``, in buckets of ``HINT_WAYS``. A loc may sit in any way of two buckets
+  (:func:`hint_candidates`); an entry holds a slot or -1.
 
-``loc_to_slot`` is a hint: with the radix cache a prefix's locs are in several requests' rows, each
-request holding them in slots of its own, so the plan counts a hit only if ``slot_loc[l, r, s] == x``
-for ``s = loc_to_slot[l, x]`` (the slot of the request that loaded ``x`` last). Invariants (checked
-by :meth:`SparseCacheState.check_invariants`): every hint ``s >= 0`` names a slot holding ``x`` in
-some request; without shared locs, ``loc_to_slot[l, x] == s >= 0`` iff ``slot_loc[l, r, s] == x``
-for the request ``r`` owning ``x``.
+A loc ``x`` is a hit of request ``r`` iff some candidate entry of ``x`` in ``hint[l, r]`` names a slot
+``s`` with ``slot_loc[l, r, s] == x``. The table is only ever read and written by request ``r``'s own
+plans, so requests sharing locs (radix prefixes) never take each other's entries. It is a hint: an
+entry lost to a full pair of buckets makes its loc a later miss (loaded into another slot, the old
+copy ages out), never a wrong row. Invariants (checked by :meth:`SparseCacheState.check_invariants`):
+every entry names a slot holding a loc that has the entry among its candidates; no slot and no loc
+is named twice.
 
 Admission, growth and release run between forward passes (scheduler side, eager, may sync); only the
 plan kernel (``lru_kernels.plan_layer``) runs inside the CUDA graph.
@@ -33,6 +36,28 @@ import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.config import MAX_SLOTS_PER_REQ, PAGE_SIZE
 
 logger = logging.getLogger(__name__)
+
+HINT_WAYS = 4
+"""Entries per bucket of a request's hint table."""
+HINT_HASHES = (0x5BD1E995, 0x27D4EB2F)
+"""Odd multipliers below 2**31, one per bucket a loc may sit in: the bucket is the top bits of
+``(loc * m) mod 2**32`` scaled to the bucket count (``lru_kernels`` does the same arithmetic)."""
+HINT_CANDIDATES = HINT_WAYS * len(HINT_HASHES)
+"""Entries a loc may sit in: the first bucket's ways, then the second's."""
+HINT_ENTRIES_PER_SLOT = 2
+"""Hint entries per slot of ``max_slots``: at most half of them are in use."""
+
+
+def hint_candidates(locs: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``(*locs.shape, HINT_CANDIDATES)`` int64 hint entries where each loc may sit (any loc value,
+    including -1, maps to entries below ``num_buckets * HINT_WAYS``)."""
+    x = locs.long()
+    ways = torch.arange(HINT_WAYS, device=x.device)
+    cands = []
+    for m in HINT_HASHES:
+        bucket = (((x * m) & 0xFFFFFFFF) * num_buckets) >> 32
+        cands.append(bucket[..., None] * HINT_WAYS + ways)
+    return torch.cat(cands, dim=-1)
 
 
 class SlotAllocator(Protocol):
@@ -50,11 +75,22 @@ class SlotAllocator(Protocol):
 class LayerState(NamedTuple):
     """Views of one layer's LRU state, as the plan kernel (and its reference) consume it."""
 
-    loc_to_slot: torch.Tensor  # (N_logical,) int32
+    hint: torch.Tensor  # (R, H) int16, H = HINT_ENTRIES_PER_SLOT * S_max
     slot_loc: torch.Tensor  # (R, S_max) int32
     lru: torch.Tensor  # (R, S_max) int16
     out_cache_loc_sparse: torch.Tensor  # (R, S_max) int32, shared by all layers
     num_slots: torch.Tensor  # (R,) int32, shared by all layers
+
+
+def lookup_slots(state: LayerState, req_pool_idx: int, locs: torch.Tensor) -> torch.Tensor:
+    """The slot of request ``req_pool_idx`` that holds each of ``locs`` by its hint table, or -1
+    (also for a loc of -1): what the plan kernel counts as a hit. int64, eager."""
+    hint, slot_loc = state.hint[int(req_pool_idx)], state.slot_loc[int(req_pool_idx)]
+    x = locs.to(device=hint.device, dtype=torch.int64)
+    e = hint[hint_candidates(x, hint.numel() // HINT_WAYS)].long()
+    held = slot_loc[e.clamp(min=0)].long()
+    match = (x[..., None] >= 0) & (e >= 0) & (held == x[..., None])
+    return torch.where(match, e, -1).amax(dim=-1)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -66,8 +102,6 @@ class SparseCacheState:
 
     Args:
         num_layers: layers that own a sparse cache.
-        num_logical_locs: size of the logical loc space (``loc_to_slot`` length; every top-k loc and
-            every loc passed to :meth:`mark_resident` must be below it).
         max_reqs: ``req_to_token_pool`` size (request pool indices are below it).
         buffer_slots: sparse slots per request at most (rounded up to the page size); must be
             ``>= topk`` so a long request can always hold a full top-k.
@@ -79,7 +113,6 @@ class SparseCacheState:
     def __init__(
         self,
         num_layers: int,
-        num_logical_locs: int,
         max_reqs: int,
         buffer_slots: int,
         topk: int,
@@ -97,7 +130,6 @@ class SparseCacheState:
         if max_slots > MAX_SLOTS_PER_REQ:
             raise ValueError(f"sparse buffer too large ({max_slots} > {MAX_SLOTS_PER_REQ} slots)")
         self.num_layers = num_layers
-        self.num_logical_locs = num_logical_locs
         self.max_reqs = max_reqs
         self.max_slots = max_slots
         self.topk = topk
@@ -105,7 +137,13 @@ class SparseCacheState:
         self.device = torch.device(device)
 
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.loc_to_slot = torch.full((num_layers, num_logical_locs), -1, **i32)
+        self.hint_buckets = HINT_ENTRIES_PER_SLOT * max_slots // HINT_WAYS
+        self.hint = torch.full(
+            (num_layers, max_reqs, self.hint_buckets * HINT_WAYS),
+            -1,
+            dtype=torch.int16,
+            device=self.device,
+        )
         self.slot_loc = torch.full((num_layers, max_reqs, max_slots), -1, **i32)
         self.lru = torch.zeros(
             (num_layers, max_reqs, max_slots), dtype=torch.int16, device=self.device
@@ -125,7 +163,7 @@ class SparseCacheState:
 
     def layer(self, layer_id: int) -> LayerState:
         return LayerState(
-            self.loc_to_slot[layer_id],
+            self.hint[layer_id],
             self.slot_loc[layer_id],
             self.lru[layer_id],
             self.out_cache_loc_sparse,
@@ -155,6 +193,7 @@ class SparseCacheState:
         order = torch.arange(n, dtype=torch.int16, device=self.device)
         self.lru[:, r, :n] = order
         self.slot_loc[:, r, :n] = -1
+        self.hint[:, r] = -1
         self.num_slots[r : r + 1] = n  # a slice fills on the device; [r] = n would copy (sync)
         self.num_slots_cpu[r] = n
         return True
@@ -203,8 +242,7 @@ class SparseCacheState:
         if bool((self.slot_loc[:, r, :n] >= 0).any()):
             raise RuntimeError("mark_resident needs a request whose slots are all empty")
         locs = locs.to(device=self.device, dtype=torch.int64)
-        slots = torch.arange(m, dtype=torch.int32, device=self.device)
-        self.loc_to_slot[:, locs] = slots
+        self.hint[:, r] = self._hints_for(locs)
         self.slot_loc[:, r, :m] = locs.to(torch.int32)
         order = torch.cat(
             [torch.arange(m, n, device=self.device), torch.arange(m, device=self.device)]
@@ -212,8 +250,27 @@ class SparseCacheState:
         self.lru[:, r, :n] = order
         return self.out_cache_loc_sparse[r, :m]
 
+    def _hints_for(self, locs: torch.Tensor) -> torch.Tensor:
+        """A hint table naming slot ``i`` for ``locs[i]`` (distinct locs): each loc takes its first
+        free candidate entry, the lowest slot winning a contested one; a loc left with none
+        (all candidates taken) stays unnamed and misses later."""
+        table = torch.full_like(self.hint[0, 0], -1)
+        m = locs.numel()
+        idx = torch.arange(m, device=self.device)
+        cands = hint_candidates(locs, self.hint_buckets)
+        pending = torch.ones(m, dtype=torch.bool, device=self.device)
+        for j in range(HINT_CANDIDATES):
+            c = cands[:, j]
+            free = pending & (table[c] < 0)
+            first = torch.full(table.shape, m, dtype=torch.int64, device=self.device)
+            first.scatter_reduce_(0, c[free], idx[free], reduce="amin")
+            won = free & (first[c] == idx)
+            table[c[won]] = idx[won].to(table.dtype)
+            pending &= ~won
+        return table
+
     def release(self, req_pool_idx: int) -> int:
-        """Free the request's slots and clear every map entry it set. Returns the rows freed.
+        """Free the request's slots and clear its hint table. Returns the rows freed.
 
         Idempotent: a second call (e.g. abort after finish) frees nothing, so no row is freed twice.
         """
@@ -221,19 +278,7 @@ class SparseCacheState:
         n = self.num_slots_cpu[r]
         if n == 0:
             return 0
-        locs = self.slot_loc[:, r, :n].long()
-        # Empty slots hold -1; they name the padding entry (the last, always -1) instead of being
-        # masked out: no device sync. A loc's hint is cleared only where it names the slot that
-        # held it (a shared prefix's loc may be another request's hit); amin, because a request
-        # may hold a loc in two slots (see check_invariants) and only one of them is named.
-        width = self.num_logical_locs
-        locs = torch.where(locs < 0, width - 1, locs)
-        layer_base = torch.arange(self.num_layers, device=self.device)[:, None] * width
-        idx = (layer_base + locs).reshape(-1)
-        flat = self.loc_to_slot.view(-1)
-        cur = flat[idx]
-        mine = cur == torch.arange(n, dtype=cur.dtype, device=self.device).repeat(self.num_layers)
-        flat.scatter_reduce_(0, idx, torch.where(mine, -1, cur), reduce="amin")
+        self.hint[:, r] = -1
         self.slot_loc[:, r, :n] = -1
         self.lru[:, r, :n] = 0
         rows = self.out_cache_loc_sparse[r, :n].to(torch.int64)
@@ -249,7 +294,7 @@ class SparseCacheState:
         return sum(
             t.numel() * t.element_size()
             for t in (
-                self.loc_to_slot,
+                self.hint,
                 self.slot_loc,
                 self.lru,
                 self.out_cache_loc_sparse,
@@ -266,57 +311,49 @@ class SparseCacheState:
     ) -> float:
         """Metadata / managed KV bytes for one request of ``context_len`` tokens.
 
-        Per token and layer: ``loc_to_slot`` 4 B. Per request and layer: ``slot_loc`` 4 B +
-        ``lru`` 2 B per slot. Per request: ``out_cache_loc_sparse`` 4 B per slot + ``num_slots``.
-        At 128K, 61 layers, 656 B rows, 4096 slots: (4*131072*61 + 6*4096*61 + 4*4096 + 4) /
-        (656*131072*61) = 0.64 %.
+        Per slot and layer: ``slot_loc`` 4 B + ``lru`` 2 B + ``hint`` 2 B x
+        ``HINT_ENTRIES_PER_SLOT``. Per slot: ``out_cache_loc_sparse`` 4 B; per request
+        ``num_slots``. Nothing per token. At 128K, 61 layers, 656 B rows, 4096 slots:
+        (10*4096*61 + 4*4096 + 4) / (656*131072*61) = 0.048 %.
         """
         slots = _round_up(buffer_slots, PAGE_SIZE)
-        meta = 4 * context_len * num_layers + 6 * slots * num_layers + 4 * slots + 4
+        per_slot_layer = 4 + 2 + 2 * HINT_ENTRIES_PER_SLOT
+        meta = per_slot_layer * slots * num_layers + 4 * slots + 4
         return meta / (row_bytes * context_len * num_layers)
 
-    def check_invariants(self, exact_hints: bool = True) -> None:
+    def check_invariants(self) -> None:
         """Slow full check of the state (tests and debugging); raises AssertionError.
 
-        Always: the LRU orders are permutations, no claim code is left, and every hint names a
-        slot that holds its loc in some request. ``exact_hints`` (no loc was ever in two
-        requests' ``req_to_token`` rows, i.e. no shared prefix): every held loc is held once and
-        its hint names its slot. With shared prefixes a request that lost a loc's hint to another
-        request loads it again, so it may hold it twice, and a held loc's hint may be -1.
+        The LRU orders are permutations; a free request holds nothing; every hint entry names a
+        slot the request owns, holding a loc that has this entry among its candidates; no slot
+        and no loc is named twice in one layer of one request. (A loc may be held in two slots:
+        the one without an entry lost it and ages out.)
         """
-        L = self.num_layers
+        pos = torch.arange(self.hint.shape[2], device=self.device)
         for r in range(self.max_reqs):
             n = self.num_slots_cpu[r]
             assert int(self.num_slots[r]) == n, f"num_slots mirror differs for req {r}"
             if n == 0:
                 assert bool((self.slot_loc[:, r] == -1).all()), f"free req {r} has resident slots"
+                assert bool((self.hint[:, r] == -1).all()), f"free req {r} has hint entries"
                 continue
             assert bool((self.out_cache_loc_sparse[r, :n] >= 0).all())
-            for layer in range(L):
+            assert bool((self.slot_loc[:, r, n:] == -1).all())
+            for layer in range(self.num_layers):
+                where = f"req {r} layer {layer}"
                 order = self.lru[layer, r, :n].long()
                 assert torch.equal(
                     torch.sort(order).values, torch.arange(n, device=self.device)
-                ), f"lru of req {r} layer {layer} is not a permutation"
-            assert bool((self.slot_loc[:, r, n:] == -1).all())
-        for layer in range(L):
-            m = self.loc_to_slot[layer]
-            assert bool((m >= -1).all()), "transient claim left in loc_to_slot"
-            resident = torch.nonzero(m >= 0).flatten()
-            sl = self.slot_loc[layer]
-            named = sl[:, m[resident].long()] == resident.to(torch.int32)[None, :]
-            assert bool(named.any(dim=0).all()), f"layer {layer}: stale loc_to_slot hints"
-            if not exact_hints:
-                continue
-            owners = []
-            for r in range(self.max_reqs):
-                n = self.num_slots_cpu[r]
-                if n:
-                    held = sl[r, :n]
-                    idx = torch.nonzero(held >= 0).flatten()
-                    assert bool(
-                        (m[held[idx].long()] == idx.to(torch.int32)).all()
-                    ), f"layer {layer} req {r}: slot_loc and loc_to_slot disagree"
-                    owners.append(held[idx].long())
-            all_held = torch.cat(owners) if owners else resident.new_empty(0)
-            assert all_held.numel() == torch.unique(all_held).numel(), "a loc is in two slots"
-            assert all_held.numel() == resident.numel(), f"layer {layer}: stale loc_to_slot entries"
+                ), f"lru of {where} is not a permutation"
+                e = self.hint[layer, r].long()
+                live = e >= 0
+                slots = e[live]
+                assert bool((slots < n).all()), f"{where}: a hint names a slot not owned"
+                held = self.slot_loc[layer, r, slots].long()
+                assert bool((held >= 0).all()), f"{where}: a hint names an empty slot"
+                cands = hint_candidates(held, self.hint_buckets)
+                assert bool(
+                    (cands == pos[live][:, None]).any(dim=1).all()
+                ), f"{where}: a hint entry outside its loc's candidates"
+                assert slots.unique().numel() == slots.numel(), f"{where}: a slot named twice"
+                assert held.unique().numel() == held.numel(), f"{where}: a loc named twice"
