@@ -70,12 +70,15 @@ def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pag
 
 
 def run_sizing(args) -> Dict:
-    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import size_arena
+    from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+        LOGICAL_LOC_STATE_BYTES,
+        size_arena,
+    )
 
     layers, row, index_row = DSV32["layers"], DSV32["row"], DSV32["index_row"]
     budget = int(args.budget_gb * 1e9)
     flag_off = budget // ((row + index_row) * layers)
-    sizing = size_arena(budget, layers, row, index_row, PAGE, logical_loc_bytes=4 * layers)
+    sizing = size_arena(budget, layers, row, index_row, PAGE, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
     points = []
     for n in args.lengths:
         point = sizing_point(sizing, flag_off, n + args.output_len, args.slots, 2)

@@ -21,7 +21,10 @@ sys.path.insert(0, str(BENCH))
 
 import bench_capacity  # noqa: E402
 import bench_serving_dsa  # noqa: E402
-from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import size_arena  # noqa: E402
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (  # noqa: E402
+    LOGICAL_LOC_STATE_BYTES,
+    size_arena,
+)
 
 def _capacity_point(prompt_len, **over):
     """One ``bench_capacity.py serve`` point: both servers started, every request served."""
@@ -87,7 +90,7 @@ def test_decode_dominated_long_point_reaches_what_its_tokens_fit():
     )
     off, on = row["off"], row["offload"]
     budget = args.max_total_tokens * (1152 + 132) * 2
-    sizing = size_arena(budget, 2, 1152, 132, 64, logical_loc_bytes=4 * 2)
+    sizing = size_arena(budget, 2, 1152, 132, 64, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
     fits = bench_capacity.sizing_point(sizing, args.max_total_tokens, 2048, args.slots, 2)
     fit = min(args.max_running, fits["flag_on_requests"])
     print(f"\n[capacity] 1920+128 tokens: peak running {on['peak_running']} with the flag "

@@ -6,6 +6,7 @@ from _pools import offload_device_pool
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.arena import MIN_UNITS, plan_arena
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
+    LOGICAL_LOC_STATE_BYTES,
     KVOffloadTokenToKVPoolAllocator,
     index_row_bytes,
     kv_row_bytes,
@@ -39,24 +40,24 @@ def extend(alloc, lens, prefix=None):
 @pytest.mark.parametrize("row", [656, 1152])
 def test_arena_sizing_deepseek_v32(row):
     """61 layers, a 60 GB budget: the arena holds what upstream gives the same bytes (tokens that
-    stay on the GPU, KV and index keys), less the LRU's 4 B per logical loc and layer, and about
-    (R + 132) / 136 times as many logical tokens."""
-    layers, budget, idx = 61, 60 * 10**9, 132
+    stay on the GPU, KV and index keys), less the 16 B of state per logical loc (all layers), and
+    about (R + 132) / 132 times as many logical tokens."""
+    layers, budget, idx, state = 61, 60 * 10**9, 132, LOGICAL_LOC_STATE_BYTES
     flag_off = budget // ((row + idx) * layers)  # upstream's max_total_num_tokens
-    s = size_arena(budget, layers, row, idx, P, logical_loc_bytes=4 * layers)
+    s = size_arena(budget, layers, row, idx, P, logical_loc_bytes=state)
     layout = s.layout
     lcm_pages = {656: 33, 1152: 11}[row]  # lcm(64 R, 64 x 132) / (64 R): no index byte wasted
     assert layout.unit_pages == lcm_pages and layout.logical_pages_per_unit * 64 * idx == (
         lcm_pages * 64 * row
     )
-    ids = layout.index_pages * P  # every logical loc the index view spans has LRU state
-    assert s.arena_bytes + ids * 4 * layers <= budget
-    assert budget - (s.arena_bytes + ids * 4 * layers) < (layout.unit_bytes + 4 * ids / layers) * layers
-    # Resident: the LRU state is the only cost beyond upstream's (4 / 136 of the arena).
-    assert 0.96 * flag_off <= layout.resident_tokens <= flag_off
-    # Offloaded: 136 B per token and layer instead of R + 132.
-    assert s.logical_tokens >= 0.999 * budget / ((idx + 4) * layers) - layout.unit_bytes
-    assert s.logical_tokens / flag_off > (row + idx) / 136 * 0.99
+    ids = layout.index_pages * P  # every logical loc the index view spans has its state
+    assert s.arena_bytes + ids * state <= budget
+    assert budget - (s.arena_bytes + ids * state) < (layout.unit_bytes + state * ids / layers) * layers
+    # Resident: the per-loc state is the only cost beyond upstream's (16 B of 61 x (R + 132)).
+    assert 0.995 * flag_off <= layout.resident_tokens <= flag_off
+    # Offloaded: 132 B per token and layer and 16 B per token instead of (R + 132) per layer.
+    assert s.logical_tokens >= 0.999 * budget / (idx * layers + state) - layout.unit_bytes
+    assert s.logical_tokens / flag_off > (row + idx) * layers / (idx * layers + state) * 0.99
     assert s.physical_rows * row * layers <= s.arena_bytes
     # The NSA index row: 128 B fp8 keys + one 4 B scale per 128-dim block.
     assert index_row_bytes(128) == 132 and index_row_bytes(256) == 264

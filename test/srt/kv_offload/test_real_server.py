@@ -55,6 +55,7 @@ PAGE = 64
 LAYERS = 2
 KV_ROW = BF16_ROW  # one bf16 latent row (512 + 64 dims): the token budget's (TestBF16)
 INDEX_ROW = 132  # one index-key row (128 fp8 + a 4 B scale)
+LOC_STATE = 16  # a logical loc's physical row and host slot (int64 each), all layers
 RUNNING = 8
 CONTEXT = 1024
 STATUS_INTERVAL = 25
@@ -100,12 +101,12 @@ ON_PRESSURE = (
 def expected_offload_token_budget(gpu_tokens: int, unit_pages: int) -> int:
     """The flag-on server's token budget, worked out here from the sizing rule of
     docs/kv_offload.md ("Sizing"): the GPU bytes the profiler grants at the flag-off cost per token
-    (KV + index row, every layer) become one arena per layer, less the LRU's 4 B per logical loc and
-    layer outside it: ``budget / (layers + 4 x layers / 132)`` bytes a layer, in whole KV pages, cut
+    (KV + index row, every layer) become one arena per layer, less the 16 B of state per logical loc
+    outside it (all layers): ``budget / (layers + 16 / 132)`` bytes a layer, in whole KV pages, cut
     into units of ``unit_pages`` KV pages (the server reports the unit it chose). Every unit but
     the first can turn into index pages, as many as lie wholly inside every unit; the budget is
     all of them. ON's host pool (ratio 1) holds every logical token, so it does not cap it."""
-    layer_bytes = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS / (LAYERS + 4 * LAYERS / INDEX_ROW)
+    layer_bytes = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS / (LAYERS + LOC_STATE / INDEX_ROW)
     units = int(layer_bytes) // (PAGE * KV_ROW) // unit_pages
     unit, index_page = unit_pages * PAGE * KV_ROW, PAGE * INDEX_ROW
     per_unit = min((k + 1) * unit // index_page - -(-k * unit // index_page) for k in range(units))
@@ -518,5 +519,5 @@ class TestBF16:
         expected = expected_offload_token_budget(4096, arena["unit_pages"])
         print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
         # Small arenas waste up to a tenth of a unit to index-page alignment (none at H200 sizes).
-        assert capacity_on == expected > 0.8 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + 4)
+        assert capacity_on == expected > 0.8 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + LOC_STATE / LAYERS)
         assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much

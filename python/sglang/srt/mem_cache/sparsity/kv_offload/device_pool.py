@@ -44,8 +44,9 @@ from sglang.srt.utils.common import get_num_new_pages
 
 logger = logging.getLogger(__name__)
 
-# Per logical loc and layer besides its index keys: the GPU LRU's ``loc_to_slot`` entry (int32).
-LOGICAL_STATE_BYTES_PER_LAYER = 4
+# Per logical loc (all layers) besides its index keys: its physical row
+# (``full_to_hisparse_device_index_mapping``) and its host slot (``loc_to_host``), int64 each.
+LOGICAL_LOC_STATE_BYTES = 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def size_arena(
     """Size the arenas for a GPU byte budget.
 
     Besides the arenas, every logical loc the index view spans costs ``logical_loc_bytes`` of state
-    outside them (the LRU's ``loc_to_slot`` in every layer, a speculative draft model's dense KV),
+    outside them (:data:`LOGICAL_LOC_STATE_BYTES`, a speculative draft model's dense KV),
     so the arenas take ``budget / (layers + logical_loc_bytes / index_row_bytes)`` bytes per layer.
     A token the GPU keeps then costs ``row_bytes + index_row_bytes (+ its state)`` per layer, as
     upstream charges, and a token on the host only its index keys (and state).

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVO
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
-    LOGICAL_STATE_BYTES_PER_LAYER,
+    LOGICAL_LOC_STATE_BYTES,
     KVOffloadDSATokenToKVPool,
     KVOffloadTokenToKVPoolAllocator,
     index_row_bytes,
@@ -131,7 +131,7 @@ def build_device_pool(
         row,
         index_row,
         page,
-        logical_loc_bytes=LOGICAL_STATE_BYTES_PER_LAYER * layers
+        logical_loc_bytes=LOGICAL_LOC_STATE_BYTES
         + _draft_bytes_per_token(model_config, row + index_row),
     )
     # One sparse request must fit beside a prompt page: its slots and tail pages.
