@@ -134,6 +134,7 @@ def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
             "output_throughput": point.get("output_throughput"),
             "leak_free": end.get("free") == end.get("initial_free") if end else None,
             "resident_requests": end.get("resident"),
+            "loaded_rows": end.get("loaded"),
             "prefill_waits": end.get("prefill_waits"),
         }
     return row

@@ -4,8 +4,8 @@ Two real servers (no flag, ``--enable-kv-offload``), each driven by SGLang's own
 sglang.bench_serving`` client. Checks the harness and the flag's capacity, counts not speed: every
 request served, every field of each point present, the decode log read, nothing left allocated on
 the flag-on server, and (``bench_capacity.py serve``) the flag-on server running at least the
-flag-off server's batch at a short-prompt point and 90 % of what its tokens fit at a
-decode-dominated point.
+flag-off server's batch at a short-prompt point (every request kept on the GPU) and more requests
+than the flag-off budget holds at a long-prompt point.
 """
 
 import json
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
+KV_ROW = 1152  # the tiny server's bf16 latent row (bench_serving_dsa.py runs it in bf16)
 BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH))
 
@@ -51,16 +52,20 @@ def _capacity_point(prompt_len, **over):
     return args, row, report
 
 
-def test_short_prompts_the_flag_runs_at_least_the_flag_off_batch():
-    """#47's first finding: 64 prompts of 256 tokens at concurrency 32, --max-running-requests 48,
-    the same 8192-token GPU budget. The flag-on server refused to start (a static GPU split sized
-    for 48 requests); now it starts and runs at least the flag-off server's batch. Also checks the
-    harness: every field of each point, the decode log and the stand-ins' trace read."""
-    args, row, report = _capacity_point(256)
+def test_short_prompts_stay_on_the_gpu_and_run_the_flag_off_batch():
+    """#47's first finding: short prompts (128 tokens and 16 new, within the 128 sparse slots and
+    two tail pages) at concurrency 32, --max-running-requests 48, the same 8192-token GPU budget.
+    The flag-on server refused to start (a static GPU split sized for 48 requests); now it starts,
+    keeps every request on the GPU whole (nothing loaded from the host) and runs the flag-off
+    server's whole batch. Also checks the harness: every field of each point, the decode log and
+    the stand-ins' trace read."""
+    args, row, report = _capacity_point(128, output_len=16, prompts=32)
     off, on = row["off"], row["offload"]
-    print(f"\n[capacity] 256-token prompts: peak running {on['peak_running']} with the flag, "
-          f"{off['peak_running']} without; mean {on['mean_running']:.1f} / {off['mean_running']:.1f}")  # fmt: skip
+    print(f"\n[capacity] 128-token prompts: peak running {on['peak_running']} with the flag, "
+          f"{off['peak_running']} without; resident {on['resident_requests']}, "
+          f"loaded rows {on['loaded_rows']}")  # fmt: skip
     assert on["peak_running"] >= off["peak_running"] >= 16, row
+    assert on["resident_requests"] == args.prompts + 1 and on["loaded_rows"] == 0, row
     assert report["summary"].keys() == {"off", "offload"}
     assert report["kernels"]["kernels"] == "standins"
     assert "cpustub" in report["kernels"]["packages"]["flash_mla"]["version"]
@@ -80,22 +85,24 @@ def test_short_prompts_the_flag_runs_at_least_the_flag_off_batch():
     assert "--enable-kv-offload" not in report["servers"][0]["args"]
 
 
-def test_decode_dominated_long_point_reaches_what_its_tokens_fit():
-    """1920-token prompts, 128 new tokens, an 8192-token GPU budget (4 such requests without the
-    flag): the flag-on server runs at least 90 % of the requests its arena fits (the product's
-    sizing code: each holds 128 sparse slots, two tail pages and its index keys), or of
-    --max-running-requests, at once."""
+def test_long_prompts_run_more_requests_than_the_flag_off_budget_holds():
+    """512-token prompts and 32 new tokens (sparse: longer than 128 slots and two tail pages), a
+    2048-token GPU budget (3 such requests without the flag): the flag-on server runs more
+    requests at once than the flag-off server, up to what its arena fits (the product's sizing
+    code: each holds 128 sparse slots, two tail pages and its index keys)."""
     args, row, _ = _capacity_point(
-        1920, output_len=128, max_running=16, prompts=16, concurrency=16
+        512, max_total_tokens=2048, max_running=8, prompts=8, concurrency=8
     )
     off, on = row["off"], row["offload"]
-    budget = args.max_total_tokens * (1152 + 132) * 2
-    sizing = size_arena(budget, 2, 1152, 132, 64, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
-    fits = bench_capacity.sizing_point(sizing, args.max_total_tokens, 2048, args.slots, 2)
-    fit = min(args.max_running, fits["flag_on_requests"])
-    print(f"\n[capacity] 1920+128 tokens: peak running {on['peak_running']} with the flag "
+    budget = args.max_total_tokens * (KV_ROW + 132) * 2
+    sizing = size_arena(budget, 2, KV_ROW, 132, 64, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
+    fits = bench_capacity.sizing_point(sizing, args.max_total_tokens, 512 + 32, args.slots, 2)
+    print(f"\n[capacity] 512+32 tokens: peak running {on['peak_running']} with the flag "
           f"(its arena fits {fits['flag_on_requests']}), {off['peak_running']} without")  # fmt: skip
-    assert on["peak_running"] >= 0.9 * fit and fit >= 3 * off["peak_running"], row
+    assert off["peak_running"] == fits["flag_off_requests"] == 3, row
+    assert fits["flag_on_requests"] >= 2 * off["peak_running"], fits
+    assert off["peak_running"] < on["peak_running"] <= fits["flag_on_requests"], row
+    assert on["loaded_rows"] > 0 and on["resident_requests"] == 1, row  # the warm-up
 
 
 def test_trace_summary_splits_offload_kernels(tmp_path):
