@@ -52,7 +52,10 @@ def test_arena_sizing_deepseek_v32(row):
     )
     ids = layout.index_pages * P  # every logical loc the index view spans has its state
     assert s.arena_bytes + ids * state <= budget
-    assert budget - (s.arena_bytes + ids * state) < (layout.unit_bytes + state * ids / layers) * layers
+    assert (
+        budget - (s.arena_bytes + ids * state)
+        < (layout.unit_bytes + state * ids / layers) * layers
+    )
     # Resident: the per-loc state is the only cost beyond upstream's (16 B of 61 x (R + 132)).
     assert 0.995 * flag_off <= layout.resident_tokens <= flag_off
     # Offloaded: 132 B per token and layer and 16 B per token instead of (R + 132) per layer.
@@ -171,3 +174,35 @@ def test_free_without_a_host_pool_names_the_fix():
     alloc.set_host_locs(locs, torch.arange(64))
     with pytest.raises(RuntimeError, match="register_host_pool"):
         alloc.free(locs)
+
+
+@pytest.mark.parametrize("how", ["decode_ahead", "prompt_page"])
+def test_free_unmaps_whole_logical_pages_so_reused_locs_have_no_stale_rows(how):
+    """A free frees whole logical pages, and with them every physical row their locs map to, even
+    locs it was not passed: the overlap scheduler's loc allocated ahead of a finished request's last
+    token (release_kv_cache frees [0, committed) and leaves an allocated-ahead loc sharing that page),
+    or the rest of alloc_prompt's last page. Otherwise such a loc keeps a physical row after its
+    page is freed, a direct-to-host pre-allocation (which maps nothing) hands it out again, and its
+    free frees that row's page a second time (the PD soak's physical free count above the start)."""
+    pool, alloc, host = make(physical=512)
+    mapping = alloc.full_to_hisparse_device_index_mapping
+    start = alloc.free_counts()
+    if how == "decode_ahead":
+        locs = extend(alloc, [10])
+        seq = torch.tensor([11])
+        ahead = alloc.alloc_decode(seq, seq, locs[-1:])
+        assert int(ahead[0]) // P == int(locs[0]) // P and int(mapping[ahead[0]]) > 0
+    else:
+        locs = alloc.alloc_prompt(10, to_host=False)  # a resumed request's GPU staging
+        alloc.unpin_prompt(locs)  # its transfer ended
+    page = int(locs[0]) // P
+    alloc.free(locs)
+    assert bool((mapping[page * P : (page + 1) * P] == 0).all()), "a freed loc kept its row"
+    assert alloc.free_counts() == start
+    again = alloc.alloc_prompt(P, to_host=True)  # direct-to-host: logical locs and host pages
+    assert int(again[0]) // P == page, "the freed logical page is handed out again"
+    assert bool((mapping[again] == 0).all())
+    alloc.free(again)
+    assert alloc.free_counts() == start
+    free = alloc.hisparse_attn_allocator.all_free_pages()
+    assert free.unique().numel() == free.numel() and not bool((free == 0).any())

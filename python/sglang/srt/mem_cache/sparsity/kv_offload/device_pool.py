@@ -287,7 +287,9 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self._spec_scratch_capacity = 0
         self._spec_device_buffer_size = 0
         self.arena = UnitArena(
-            layout, [kvcache.device_row_view(kvcache.start_layer + i) for i in range(kvcache.layer_num)], device
+            layout,
+            [kvcache.device_row_view(kvcache.start_layer + i) for i in range(kvcache.layer_num)],
+            device,
         )
         paged_cls = current_platform.get_paged_allocator_cls() or PagedTokenToKVPoolAllocator
         args = (page_size, dtype, device, kvcache, need_sort)
@@ -614,7 +616,12 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
     def release_physical(self, logical_locs: torch.Tensor) -> None:
         """Free the physical rows behind ``logical_locs`` (whole, page-aligned logical pages, as
         backups are) and clear their mapping. No device sync: each logical page's physical page is
-        read from its first row's mapping, so no ``unique`` or mask is needed."""
+        read from its first row's mapping, so no ``unique`` or mask is needed.
+
+        Every page must have rows: a page without (mapping 0) would free the padding page 0. A
+        backup's pages keep theirs until it completes: a request's backups are cancelled (or, with
+        the radix cache, waited for) before its locs are freed, and :meth:`free` unmaps a freed
+        page whole, so a later owner of its locs starts unmapped."""
         first = logical_locs[:: self.page_size]
         pages = self.full_to_hisparse_device_index_mapping[first] // self.page_size
         # index_fill_, not ``[idx] = 0``: a Python scalar value is copied to the device (a sync).
@@ -626,31 +633,36 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         pages = pages[pages > 0]
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
-    def free_host(self, logical_locs: torch.Tensor) -> int:
-        """Return the host slots of the logical pages touched by ``logical_locs``."""
-        if logical_locs.numel() == 0:
-            return 0
-        locs = self._whole_pages(logical_locs.to(self.loc_to_host.device))
+    def free(self, free_index: torch.Tensor):
+        """Free the logical pages touched by ``free_index`` whole, as the paged allocators do,
+        with the physical rows and host slots behind every loc of those pages, passed or not.
+
+        Callers pass a request's locs up to its committed length, which may leave out locs of its
+        last page that have rows: one the overlap scheduler allocated ahead, the rest of
+        :meth:`alloc_prompt`'s last page. Their page is freed all the same, so their rows are too,
+        and every free loc maps to no row and no host slot; an allocation that maps none itself
+        (:meth:`alloc_extend_to_host`) relies on that. No free groups (upstream HiSparse's
+        ``free_group_begin``/``end`` are no-ops): the mappings are cleared at once.
+        """
+        if free_index.numel() == 0:
+            return
+        locs = self._whole_pages(free_index.to(self.loc_to_host.device))
+        self._free_host(locs)
+        super().free(locs)
+
+    def _free_host(self, locs: torch.Tensor) -> None:
+        """Return the host slots of ``locs`` (whole logical pages) and clear their entries."""
         host = self.loc_to_host[locs]
         host = host[host >= 0]
         self.loc_to_host.index_fill_(0, locs, -1)
         if host.numel() == 0:
-            return 0
+            return
         if self.host_pool is None:
             raise RuntimeError(
                 "kv_offload allocator holds host slots but no host pool is registered "
                 "(call register_host_pool)"
             )
         self.host_pool.free(host)
-        return host.numel()
-
-    def free(self, free_index: torch.Tensor):
-        # No free groups (upstream HiSparse's free_group_begin/end are no-ops): the mappings are
-        # cleared at once.
-        if free_index.numel() == 0:
-            return
-        self.free_host(free_index)
-        super().free(free_index)
 
     def translate_kv_indices_for_transfer(self, kv_indices: torch.Tensor) -> torch.Tensor:
         """PD decode: where the prefill side writes the prompt KV (physical rows or host pages);
