@@ -65,7 +65,9 @@ def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pag
         "ratio": round(on / off, 3) if off else None,
         "flag_off_tokens": off * length,
         "flag_on_tokens": on * length,
-        "flag_on_host_gb": round(0 if resident else on * length * layout.row_bytes * sizing.num_layers / 1e9, 1),
+        "flag_on_host_gb": round(
+            0 if resident else on * length * layout.row_bytes * sizing.num_layers / 1e9, 1
+        ),
     }
 
 
@@ -78,7 +80,9 @@ def run_sizing(args) -> Dict:
     layers, row, index_row = DSV32["layers"], DSV32["row"], DSV32["index_row"]
     budget = int(args.budget_gb * 1e9)
     flag_off = budget // ((row + index_row) * layers)
-    sizing = size_arena(budget, layers, row, index_row, PAGE, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
+    sizing = size_arena(
+        budget, layers, row, index_row, PAGE, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES
+    )
     points = []
     for n in args.lengths:
         point = sizing_point(sizing, flag_off, n + args.output_len, args.slots, 2)
@@ -166,7 +170,11 @@ def main() -> None:
     s.add_argument("--slots", type=int, default=4096)
     s.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=LENGTHS)
     v = sub.add_parser("serve")
-    v.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[128, 256, 512, 1024, 2048, 4096])
+    v.add_argument(
+        "--lengths",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[128, 256, 512, 1024, 2048, 4096],
+    )
     v.add_argument("--output-len", type=int, default=32)
     v.add_argument(
         "--range-ratio",

@@ -779,14 +779,19 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     b = stage(128)
     assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
     assert h.coord.stats["prefill_waits"] == 1
+    assert not gate.on_scheduler_iteration()  # nothing freed: the scheduler need not retry
     # A short request that stays resident needs only its context's page, which is still there.
     assert gate.can_stage_prefill(_prompt(48, max_new=16), [])
+    assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
     # Their first decode step admits them (promised, slots granted, backups started); once the
     # backups complete their staged rows are free again and the prompt fits.
     for r in (a, b):
         h.coord.admit(r, 128)
         assert not h.coord.requests[r].resident and h.coord.requests[r].has_slots
     h.coord.drain()
+    # Rows freed since the refusal: the scheduler retries its waiting prompts once (upstream
+    # would retry only when a request finishes).
+    assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
     assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
     # An admitted request owes its promise less its slots and its tail rows: a decode token that
     # opens a page past its backed-up prompt is a tail row it holds toward its promise.

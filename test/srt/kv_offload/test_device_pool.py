@@ -53,8 +53,7 @@ def test_arena_sizing_deepseek_v32(row):
     ids = layout.index_pages * P  # every logical loc the index view spans has its state
     assert s.arena_bytes + ids * state <= budget
     assert (
-        budget - (s.arena_bytes + ids * state)
-        < (layout.unit_bytes + state * ids / layers) * layers
+        budget - (s.arena_bytes + ids * state) < (layout.unit_bytes + state * ids / layers) * layers
     )
     # Resident: the per-loc state is the only cost beyond upstream's (16 B of 61 x (R + 132)).
     assert 0.995 * flag_off <= layout.resident_tokens <= flag_off

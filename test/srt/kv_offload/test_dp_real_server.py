@@ -41,13 +41,7 @@ class TestAttentionDP:
         retract = {**rs.TP_ENV, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
         # GPU rows for every prompt at once: the staging gate must not delay a prefill that the
         # flag-off twin runs, or their ranks' batches fall out of step.
-        on = (
-            rs.COMMON
-            + rs.context(rs.CONTEXT)
-            + rs.LARGE_GPU
-            + rs.offload()
-            + DP
-        )
+        on = rs.COMMON + rs.context(rs.CONTEXT) + rs.LARGE_GPU + rs.offload() + DP
         specs = (
             (rs.OFF_LARGE + DP, logs / "dp2_off.log", rs.TP_ENV),
             (on, logs / "dp2_on.log", rs.TP_ENV),

@@ -481,7 +481,6 @@ class TestSingleServers:
         most = int(re.search(r"Use at most (\d+)", log).group(1))
         assert 0 < most < 8192 and most % PAGE == 0
 
-
     def test_prompt_longer_than_the_gpu_can_stage_ends_with_an_error(self, singles):
         """The token budget (index keys) admits a prompt the arena cannot stage in GPU rows: it
         ends at once with an error naming the limit instead of waiting for ever; the server
@@ -519,5 +518,9 @@ class TestBF16:
         expected = expected_offload_token_budget(4096, arena["unit_pages"])
         print(f"\n[admission] --max-total-tokens 4096: token budget with the flag {capacity_on}")
         # Small arenas waste up to a tenth of a unit to index-page alignment (none at H200 sizes).
-        assert capacity_on == expected > 0.8 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + LOC_STATE / LAYERS)
+        assert (
+            capacity_on
+            == expected
+            > 0.8 * 4096 * (KV_ROW + INDEX_ROW) / (INDEX_ROW + LOC_STATE / LAYERS)
+        )
         assert off.server_info()["max_total_num_tokens"] == 16384  # OFF_LARGE admits as much

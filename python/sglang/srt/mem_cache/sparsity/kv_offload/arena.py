@@ -134,7 +134,8 @@ class ArenaLayout:
     @property
     def resident_tokens(self) -> int:
         """The most tokens the arena holds with both a KV row and index keys (a workload of
-        requests that all stay on the GPU): ``u`` logical units and the rest physical, best ``u``."""
+        requests that all stay on the GPU): ``u`` logical units and the rest physical, best ``u``.
+        """
         lp, pp = self.logical_pages_per_unit, self.unit_pages
         best = max(
             min(u * lp, self.fixed_physical_pages + (self.num_units - 1 - u) * pp)
@@ -220,9 +221,7 @@ class UnitArena:
     # ------------------------------------------------------------------ page ids
     def pages_of(self, kind: int, units: Sequence[int]) -> torch.Tensor:
         ranges = (
-            self.layout.physical_page_range
-            if kind == PHYSICAL
-            else self.layout.logical_page_range
+            self.layout.physical_page_range if kind == PHYSICAL else self.layout.logical_page_range
         )
         ids = [i for k in units for i in ranges(int(k))]
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -309,7 +308,9 @@ class UnitArena:
         first (the physical side the lowest, the logical side the highest), then units the other
         side gives up. False when even that is not enough (units given so far stay given)."""
         alloc = self.physical if kind == PHYSICAL else self.logical
-        per_unit = self.layout.unit_pages if kind == PHYSICAL else self.layout.logical_pages_per_unit
+        per_unit = (
+            self.layout.unit_pages if kind == PHYSICAL else self.layout.logical_pages_per_unit
+        )
         short = pages
         while short > 0:
             want = -(-short // per_unit)
@@ -324,7 +325,9 @@ class UnitArena:
                     return False
             units = units[:want]
             self.owner[units] = kind
-            self.stats["units_to_physical" if kind == PHYSICAL else "units_to_logical"] += len(units)
+            self.stats["units_to_physical" if kind == PHYSICAL else "units_to_logical"] += len(
+                units
+            )
             alloc.add_pages(self.pages_of(kind, units))
             short -= len(units) * per_unit
         return True
@@ -398,9 +401,7 @@ class UnitArena:
             listener.before_relocation()
         for rows in self.kv_rows:
             rows[dst_rows] = rows[src_rows]
-        table = torch.full(
-            (self.layout.physical_pages,), -1, dtype=torch.int64, device=self.device
-        )
+        table = torch.full((self.layout.physical_pages,), -1, dtype=torch.int64, device=self.device)
         table[torch.from_numpy(src).to(self.device)] = torch.from_numpy(dst).to(self.device)
 
         def remap(rows: torch.Tensor) -> torch.Tensor:
@@ -448,9 +449,7 @@ class ArenaPagedAllocator:
             return
         # The physical side allocates the lowest pages first, the logical side the highest, so
         # that each keeps to its end of the arena and units in between empty out.
-        self.free_pages, _ = torch.sort(
-            self.get_all_free_pages(), descending=self.kind == LOGICAL
-        )
+        self.free_pages, _ = torch.sort(self.get_all_free_pages(), descending=self.kind == LOGICAL)
         self.staged_pages = []
         self.num_staged_pages = 0
 

@@ -90,8 +90,10 @@ class KVOffloadHooks(abc.ABC):
         failed transfer); ``kv_len``: positions of its row whose KV is written (committed)."""
 
     @abc.abstractmethod
-    def on_scheduler_iteration(self) -> None:
-        """Once per scheduler loop iteration: complete finished backups (never blocks)."""
+    def on_scheduler_iteration(self) -> bool:
+        """Once per scheduler loop iteration: complete finished backups (never blocks). True when
+        :meth:`can_stage_prefill` refused a prompt and GPU rows were freed since: the scheduler
+        then retries its waiting prompts (``batch_is_full`` reset)."""
 
     @abc.abstractmethod
     def internal_state(self) -> Dict[str, object]:

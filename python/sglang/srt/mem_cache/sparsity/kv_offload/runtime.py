@@ -24,6 +24,7 @@ from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+from sglang.srt.mem_cache.sparsity.kv_offload.arena import LOGICAL, PHYSICAL
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -275,7 +276,8 @@ def _shared_host_allocator(config: KVOffloadConfig, parallel, tp_group):
 class KVOffloadRuntime(KVOffloadHooks):
     """The hook object of one server process: what the scheduler and the PD decode queue call.
 
-    Holds no state of its own beyond the PD bookkeeping below; everything else is the
+    Holds no state of its own beyond the PD bookkeeping and the prefill gate's last refusal
+    below; everything else is the
     coordinator's (request state, promises, counters) and the allocator's (free lists).
     """
 
@@ -295,6 +297,8 @@ class KVOffloadRuntime(KVOffloadHooks):
         # PD requests whose transfer lands in GPU rows: (first position, positions) pinned in the
         # arena until the transfer ends.
         self._gpu_prealloc: Dict[int, Tuple[int, int]] = {}
+        # What the arena held when the prefill gate last refused a prompt (_arena_committed).
+        self._refused_at: Optional[Tuple[int, int]] = None
 
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
@@ -381,9 +385,17 @@ class KVOffloadRuntime(KVOffloadHooks):
             )
             return False
         if coordinator.can_stage(prompts):
+            self._refused_at = None
             return True
         coordinator.stats["prefill_waits"] += 1
+        self._refused_at = self._arena_committed()
         return False
+
+    def _arena_committed(self) -> Tuple[int, int]:
+        """(physical rows in use or promised, logical pages in use): host-side, no device read."""
+        arena = self.allocator.arena
+        rows = arena.used_pages(PHYSICAL) * self.coordinator.page_size
+        return rows + self.coordinator.owed_rows(), arena.used_pages(LOGICAL)
 
     def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         # The logical locs are freed next by upstream's path through the kv offload allocator,
@@ -394,12 +406,24 @@ class KVOffloadRuntime(KVOffloadHooks):
         self._unpin(req_pool_idx)
         self.coordinator.release(req_pool_idx, kv_len=kv_len)
 
-    def on_scheduler_iteration(self) -> None:
+    def on_scheduler_iteration(self) -> bool:
+        """Between forwards: release restored prefix rows, complete finished backups, refresh the
+        metrics. Returns True when the prefill gate refused a prompt and GPU rows or index pages
+        have been freed since (a backup completed, a staged request was admitted, a request
+        ended): the scheduler then lets its waiting prompts try again, as it does when a request
+        finishes (upstream retries only then, which would hold a staged burst to one wave)."""
         self.coordinator.release_restored()
         if self.metrics is not None and self.metrics.due():
             self.metrics.update(self.coordinator.offload_state())  # polls too
         else:
             self.coordinator.poll()
+        if self._refused_at is None:
+            return False
+        rows, logical = self._arena_committed()
+        if rows >= self._refused_at[0] and logical >= self._refused_at[1]:
+            return False
+        self._refused_at = None
+        return True
 
     def internal_state(self) -> Dict[str, object]:
         return self.coordinator.offload_state()
