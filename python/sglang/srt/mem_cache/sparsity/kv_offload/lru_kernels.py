@@ -1,4 +1,4 @@
-"""Triton plan kernel for the per-layer sparse KV cache (PrepareIntraLayerH2D equivalent).
+"""Triton plan kernel for the per-layer sparse KV cache: which top-k rows hit, which load, where.
 
 One program per batch row (request), vectorised over the row's ``K`` top-k entries and its ``S``
 slots; no sort, ``O(K + S)`` work with three prefix sums. Exact semantics are specified (and

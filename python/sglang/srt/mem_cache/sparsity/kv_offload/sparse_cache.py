@@ -8,10 +8,9 @@ Per layer ``l`` the state is
 
 * ``slot_loc[l, r, s]`` (int32): logical loc held by slot ``s``, -1 if empty (``cache_ids_inverse``);
 * ``lru[l, r, :num_slots[r]]`` (int16): a dense permutation of the request's slots, least recently used
-  first (replaces ``cache_ids``/``cache_lens``). The plan kernel keeps it dense, so the seed's
-  per-step ``CompactCacheIdsBlock``/``ReorderOutCacheLocSparse`` passes do not exist here;
-* ``hint[l, r, :]`` (int16): the request's own hashed table from loc to slot (the seed's
-  ``cpu_slot_to_gpu_slot``, per request): ``HINT_ENTRIES_PER_SLOT`` entries per slot of
+  first. The plan kernel keeps it dense, so no per-step pass compacts or reorders it;
+* ``hint[l, r, :]`` (int16): the request's own hashed table from loc to slot:
+  ``HINT_ENTRIES_PER_SLOT`` entries per slot of
   ``max_slots``, in buckets of ``HINT_WAYS``. A loc may sit in any way of two buckets
   (:func:`hint_candidates`); an entry holds a slot or -1.
 
