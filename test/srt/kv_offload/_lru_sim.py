@@ -270,6 +270,7 @@ class World:
         hit_locs = {x for x, s in zip(t, f) if s >= 0}
         non_tail = {x for x in t if x in hit_locs or self.loc_to_tail[x] < 0}
         misses = non_tail - hit_locs
+        held = {int(x) for x in before_slot_loc[: st.num_slots_cpu[r]] if int(x) >= 0}
         loaded = {int(after[s]) for s in loaded_slots}
         if not overflow:
             assert loaded == misses, "loaded set differs from the unique misses"
@@ -290,6 +291,9 @@ class World:
             dups=len(t) - len(set(t)),
             overflow=int(overflow),
             unnamed=int((after_found < 0).sum()),
+            # misses of locs the request held in a slot: its hint entry was lost (an exact map
+            # from loc to slot would have hit them)
+            held_misses=len(misses & held),
         )
         lu = self.last_used[layer, r]
         if evicted:
