@@ -98,17 +98,18 @@ ON_PRESSURE = (
 )
 
 
-def expected_offload_token_budget(gpu_tokens: int, unit_pages: int) -> int:
+def expected_offload_token_budget(gpu_tokens: int, unit_pages: int, row: int = KV_ROW) -> int:
     """The flag-on server's token budget, worked out here from the sizing rule of
     docs/kv_offload.md ("Sizing"): the GPU bytes the profiler grants at the flag-off cost per token
     (KV + index row, every layer) become one arena per layer, less the 16 B of state per logical loc
     outside it (all layers): ``budget / (layers + 16 / 132)`` bytes a layer, in whole KV pages, cut
     into units of ``unit_pages`` KV pages (the server reports the unit it chose). Every unit but
     the first can turn into index pages, as many as lie wholly inside every unit; the budget is
-    all of them. ON's host pool (ratio 1) holds every logical token, so it does not cap it."""
-    layer_bytes = gpu_tokens * (KV_ROW + INDEX_ROW) * LAYERS / (LAYERS + LOC_STATE / INDEX_ROW)
-    units = int(layer_bytes) // (PAGE * KV_ROW) // unit_pages
-    unit, index_page = unit_pages * PAGE * KV_ROW, PAGE * INDEX_ROW
+    all of them. ON's host pool (ratio 1) holds every logical token, so it does not cap it.
+    ``row``: the KV row's bytes (1152 bf16, 656 fp8)."""
+    layer_bytes = gpu_tokens * (row + INDEX_ROW) * LAYERS / (LAYERS + LOC_STATE / INDEX_ROW)
+    units = int(layer_bytes) // (PAGE * row) // unit_pages
+    unit, index_page = unit_pages * PAGE * row, PAGE * INDEX_ROW
     per_unit = min((k + 1) * unit // index_page - -(-k * unit // index_page) for k in range(units))
     return (units - 1) * per_unit * PAGE
 
@@ -202,6 +203,10 @@ def forced_eviction_and_reload(off: TinyServer, on: TinyServer, row_bytes: int) 
 def test_forced_eviction_and_reload(main_pair):
     off, on = main_pair
     forced_eviction_and_reload(off, on, FP8_ROW)
+    # The token budget is the guide's rule with R = 656 (ON: --max-total-tokens 4096).
+    unit_pages = on.offload_state()["arena"]["unit_pages"]
+    budget = expected_offload_token_budget(4096, unit_pages, FP8_ROW)
+    assert on.server_info()["max_total_num_tokens"] == budget
     # Both twins wrote and read the fp8 pool through FlashMLA's kernel, prefill included.
     for server in main_pair:
         assert "prefill=flashmla_kv, decode=flashmla_kv" in server.log()
