@@ -24,7 +24,6 @@ from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.layers.dp_attention import get_dp_tp_group
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
-from sglang.srt.mem_cache.sparsity.kv_offload.arena import LOGICAL, PHYSICAL
 from sglang.srt.mem_cache.sparsity.kv_offload.config import KVOffloadConfig, KVOffloadConfigError
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
 from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
@@ -297,8 +296,8 @@ class KVOffloadRuntime(KVOffloadHooks):
         # PD requests whose transfer lands in GPU rows: (first position, positions) pinned in the
         # arena until the transfer ends.
         self._gpu_prealloc: Dict[int, Tuple[int, int]] = {}
-        # What the arena held when the prefill gate last refused a prompt (_arena_committed).
-        self._refused_at: Optional[Tuple[int, int]] = None
+        # The GPU room when the prefill gate last refused a prompt (_gpu_room).
+        self._refused_room: Optional[Tuple[int, int]] = None
 
     # ------------------------------------------------------------------ scheduler
     def prepare_decode_step(self, batch) -> None:
@@ -385,17 +384,16 @@ class KVOffloadRuntime(KVOffloadHooks):
             )
             return False
         if coordinator.can_stage(prompts):
-            self._refused_at = None
+            self._refused_room = None
             return True
         coordinator.stats["prefill_waits"] += 1
-        self._refused_at = self._arena_committed()
+        self._refused_room = self._gpu_room()
         return False
 
-    def _arena_committed(self) -> Tuple[int, int]:
-        """(physical rows in use or promised, logical pages in use): host-side, no device read."""
-        arena = self.allocator.arena
-        rows = arena.used_pages(PHYSICAL) * self.coordinator.page_size
-        return rows + self.coordinator.owed_rows(), arena.used_pages(LOGICAL)
+    def _gpu_room(self) -> Tuple[int, int]:
+        """(physical rows free beyond those promised, logical locs free): host-side, no device read."""
+        free = self.allocator.free_counts()
+        return free["physical"] - self.coordinator.owed_rows(), free["logical"]
 
     def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         # The logical locs are freed next by upstream's path through the kv offload allocator,
@@ -417,12 +415,12 @@ class KVOffloadRuntime(KVOffloadHooks):
             self.metrics.update(self.coordinator.offload_state())  # polls too
         else:
             self.coordinator.poll()
-        if self._refused_at is None:
+        if self._refused_room is None:
             return False
-        rows, logical = self._arena_committed()
-        if rows >= self._refused_at[0] and logical >= self._refused_at[1]:
+        rows, logical = self._gpu_room()
+        if rows <= self._refused_room[0] and logical <= self._refused_room[1]:
             return False
-        self._refused_at = None
+        self._refused_room = None
         return True
 
     def internal_state(self) -> Dict[str, object]:
