@@ -76,3 +76,35 @@ def test_paged_logits_serve_the_replay_when_asked(monkeypatch):
     want = standins.replay_scores(0, torch.arange(384), lens.long(), 3)
     want = want.masked_fill(torch.arange(384)[None] >= lens, float("-inf"))
     assert torch.equal(replayed, want) and not torch.equal(replayed, random_weights)
+
+
+def test_production_indexer_logits_are_replayed_in_place(monkeypatch):
+    """B1: with production kernels, the real DeepGEMM decode logits run and are then overwritten in
+    place by the same scores S4's replay gives; without the replay the real kernel is left as is."""
+    batch, next_n, heads, dim, width = 2, 2, 4, standins.INDEX_HEAD_DIM, 384
+    cache = torch.zeros((6, standins.INDEX_PAGE_TOKENS, 1, 132), dtype=torch.uint8)
+    q = torch.randn(batch, next_n, heads, dim)
+    lens = torch.tensor([[200, 201], [300, 301]], dtype=torch.int32)
+    padded = torch.randn(batch * next_n, 512)  # DeepGEMM's row-padded output layout
+    calls = []
+
+    def real(*args, clean_logits=True):
+        calls.append(args[6])
+        return padded[:, : args[6]]
+
+    module = type(sys)("deep_gemm")
+    module.fp8_paged_mqa_logits = real
+    monkeypatch.setenv("KV_OFFLOAD_KERNELS", "production")
+    standins._patch_deep_gemm(module)
+    assert module.fp8_paged_mqa_logits is real  # no replay asked: untouched
+
+    monkeypatch.setenv("KV_OFFLOAD_STANDINS_TOPK_PERIOD", "3")
+    monkeypatch.setattr(standins, "_REPLAY_LAYERS", {})
+    standins._patch_deep_gemm(module)
+    out = module.fp8_paged_mqa_logits(q, cache, None, lens, None, None, width, clean_logits=False)
+    assert calls == [width] and out.data_ptr() == padded.data_ptr() and out.stride(0) == 512
+    # MTP rows: the first of a request's two sees one token fewer.
+    row_lens = torch.tensor([[200], [201], [300], [301]])
+    want = standins.replay_scores(0, torch.arange(width), row_lens, 3)
+    want = want.masked_fill(torch.arange(width)[None] >= row_lens, float("-inf"))
+    assert torch.equal(out, want)

@@ -123,6 +123,10 @@ C2    CPU only: the fp8 KV row quantiser                     :func:`quantize_k_c
       e4m3 cast also drops the carry of a round-up           the interpreter rounds exactly)
       (124.3 -> 64, not 128) and rounds ties away from
       zero
+B1    Benchmark only, GPU with production kernels and       the real kernel runs, then the replay's
+      ``KV_OFFLOAD_STANDINS_TOPK_PERIOD``: DeepGEMM's       scores (below) overwrite its logits in
+      ``fp8_paged_mqa_logits`` (the decode indexer)         place: the same selections as S4's
+                                                            replay, the kernel's time kept
 ====  =====================================================  =========================================
 
 (No S8: 0.5.23 has no ``Indexer._should_chunk_mqa_logits``. On the CPU platform the MLA KV row write
@@ -306,12 +310,19 @@ def fp8_paged_mqa_logits(
     score = torch.einsum("bthd,bld->bthl", qf, k).relu()
     w = weights.to(cdt).reshape(batch, next_n, heads, 1)
     logits = (score * w).sum(dim=2).float().reshape(batch * next_n, max_context_len)
-    lens = context_lens.reshape(batch, -1)[:, -1:].repeat_interleave(next_n, dim=0)
-    if next_n > 1:  # MTP rows see one more token each
-        lens = lens - (next_n - 1 - torch.arange(next_n, device=q.device).repeat(batch)[:, None])
+    lens = _decode_lens(context_lens, batch, next_n)
     if _replay_period() is not None:
         logits = replay_scores(_replay_layer(kv_cache), pos, lens, _replay_period())
     return logits.masked_fill(pos[None, :] >= lens, float("-inf"))
+
+
+def _decode_lens(context_lens: torch.Tensor, batch: int, next_n: int) -> torch.Tensor:
+    """``[batch * next_n, 1]`` context length each logits row sees (MTP rows one more each)."""
+    lens = context_lens.reshape(batch, -1)[:, -1:].repeat_interleave(next_n, dim=0)
+    if next_n > 1:
+        arange = torch.arange(next_n, device=context_lens.device)
+        lens = lens - (next_n - 1 - arange.repeat(batch)[:, None])
+    return lens
 
 
 # Benchmark-only decode top-k replay (``KV_OFFLOAD_STANDINS_TOPK_PERIOD=T``): random weights give a
@@ -366,6 +377,31 @@ def replay_scores(layer: int, pos: torch.Tensor, lens: torch.Tensor, period: int
     score = score + math.sqrt(1 - REPLAY_SHARE) * _drift(layer + 1, pos, n, period)
     pinned = (pos < REPLAY_SINKS) | (pos >= n - REPLAY_WINDOW)
     return torch.where(pinned, torch.full_like(score, 1e4), score)
+
+
+def _patch_deep_gemm(module) -> None:
+    """B1, benchmark-only (production kernels with the top-k replay on): the real DeepGEMM decode
+    logits run (their time stays in the step), then the replay's scores overwrite them in place
+    (the kernel's own row-padded layout kept), as S4 does with the stand-in's logits."""
+    if not production_kernels() or _replay_period() is None:
+        return
+    real = module.fp8_paged_mqa_logits
+
+    def fp8_paged_mqa_logits(
+        q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_context_len,
+        clean_logits=True,
+    ):  # fmt: skip
+        logits = real(
+            q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_context_len,
+            clean_logits=clean_logits,
+        )  # fmt: skip
+        pos = torch.arange(max_context_len, device=q.device)
+        lens = _decode_lens(context_lens, q.shape[0], q.shape[1])
+        scores = replay_scores(_replay_layer(kv_cache), pos, lens, _replay_period())
+        logits.copy_(scores.masked_fill(pos[None, :] >= lens, float("-inf")))
+        return logits
+
+    module.fp8_paged_mqa_logits = fp8_paged_mqa_logits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1178,6 +1214,7 @@ PATCHES: Dict[str, Callable] = {
     "sglang.srt.layers.attention.dsa.dsa_indexer": _patch_dsa_indexer,
     "sglang.srt.model_loader.loader": _patch_loader,
     "sglang.srt.layers.rotary_embedding.rope_variant": _patch_rope_variant,
+    "deep_gemm": _patch_deep_gemm,  # B1: benchmark-only, production kernels with the replay
     # G1-G7: CUDA only (each patch checks torch.cuda.is_available())
     "sglang.srt.layers.layernorm": _patch_layernorm,
     "sglang.srt.layers.activation": _patch_activation,
