@@ -364,6 +364,7 @@ def report_head(a: argparse.Namespace, argv: Optional[List[str]]) -> Dict[str, A
     return {
         "machine": machine_info(),
         "kernels": tiny_server.kernel_report(env),
+        "server_env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "KV_OFFLOAD"))},
         "command": shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "model": {"kind": a.model, "overrides": model_overrides(a)},
     }
