@@ -39,7 +39,8 @@ sessions, ``--sessions 4,8``; the cache flushed before each) records:
 context length: upstream answers that turn with its context-length error, and after
 ``/flush_cache`` every free count of the flag-on server is back at its start (the session's cached
 pages freed). Results (``--out``) are rewritten after every server, so a run cut short keeps what it
-got; the servers' logs lie next to it. Each server gets an equal share of ``--deadline-s``; where
+got; the servers' logs lie next to it. Each server, once started, gets an equal share of what is
+left of ``--deadline-s``; where
 one call cannot run all three, run one server per call (same workload) and join the files with
 ``--merge``. The summary gives per point and server the headline numbers, and the flag's
 returning-turn cached tokens over the no-flag server's (``returning_cached_ratio``).
@@ -60,7 +61,7 @@ import time
 import urllib.error
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
@@ -502,12 +503,13 @@ def run_overflow(server: Server, w: Workload, context_length: int, session: int)
 
 
 def run_server(
-    kind: str, a: argparse.Namespace, w: Workload, out_dir: Path, deadline: float
+    kind: str, a: argparse.Namespace, w: Workload, out_dir: Path, points_end: Callable[[], float]
 ) -> Dict[str, Any]:
     server, res = launch(kind, a, out_dir, radix_cache=True)
     res.update(radix_cache=kind != "hisparse", points=[])
     try:
-        wait_started(server, res, deadline)
+        wait_started(server, res, a)
+        deadline = points_end()
         for n in a.sessions:
             if time.time() > deadline - a.point_reserve_s:
                 res["points"].append({"sessions": n, "skipped": "deadline"})
@@ -635,7 +637,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
     }
-    run_servers(a, report, out_path, lambda kind, end: run_server(kind, a, w, out_path.parent, end))
+    run_servers(
+        a,
+        report,
+        out_path,
+        lambda kind, points_end: run_server(kind, a, w, out_path.parent, points_end),
+    )
     report["summary"] = summary_table(report)
     out_path.write_text(results_json(report))
     logger.info("summary: %s", json.dumps(report["summary"]))

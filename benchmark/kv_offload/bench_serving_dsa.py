@@ -223,7 +223,7 @@ def launch(
     its environment, its log in ``out_dir``."""
     args = server_args(kind, a, radix_cache)
     env = {"SGLANG_TORCH_PROFILER_DIR": str(out_dir / f"profile_{kind}")}
-    if a.fast_standins:
+    if a.fast_standins or (a.fast_standins is None and a.model == "dsv32"):
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
     if a.topk_churn:
         env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
@@ -231,10 +231,12 @@ def launch(
     return server, {"kind": kind, "args": args, "command": shlex.join(server.cmd), "ok": False}
 
 
-def wait_started(server: Server, res: Dict[str, Any], deadline: float) -> None:
-    """Wait for ``server`` to answer (within the time left before ``deadline``, at most 900 s) and
-    record its start-up time, KV token capacity (``max_total_num_tokens``) and offload state."""
-    res["startup_s"] = server.wait_ready(max(60.0, min(900.0, deadline - time.time() - 60)))
+def wait_started(server: Server, res: Dict[str, Any], a: argparse.Namespace) -> None:
+    """Wait for ``server`` to answer (at most ``--startup-timeout-s``, and not past the run's
+    deadline) and record its start-up time, KV token capacity (``max_total_num_tokens``) and
+    offload state."""
+    left = a.run_deadline - time.time() - 60
+    res["startup_s"] = server.wait_ready(max(60.0, min(a.startup_timeout_s, left)))
     info = http("GET", server.url + "/server_info", timeout=60)
     state = (info.get("internal_states") or [{}])[0]
     res["max_total_num_tokens"] = state.get(
@@ -243,12 +245,15 @@ def wait_started(server: Server, res: Dict[str, Any], deadline: float) -> None:
     res["kv_offload_start"] = state.get("kv_offload")
 
 
-def run_server(kind: str, a: argparse.Namespace, out_dir: Path, deadline: float) -> Dict[str, Any]:
+def run_server(
+    kind: str, a: argparse.Namespace, out_dir: Path, points_end: Callable[[], float]
+) -> Dict[str, Any]:
     server, res = launch(kind, a, out_dir)
     res["points"] = []
     prof_dir = out_dir / f"profile_{kind}"
     try:
-        wait_started(server, res, deadline)
+        wait_started(server, res, a)
+        deadline = points_end()
         tokenizer = server.cmd[server.cmd.index("--model-path") + 1]
         for conc in a.concurrency:
             if time.time() > deadline - a.point_reserve_s:
@@ -339,9 +344,11 @@ def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int
     p.add_argument("--hisparse-config", type=json.loads, default={})
     p.add_argument(
         "--fast-standins",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="the kernel stand-ins compute in bf16/fp32 instead of float64 (their batch "
-        "invariance is for token equality, not throughput)",
+        "invariance is for token equality, not throughput) and S7 draws the dummy weights on the "
+        "GPU; default: on with --model dsv32, whose 1.2 GB a layer the CPU draws for minutes",
     )
     p.add_argument(
         "--topk-churn",
@@ -354,6 +361,13 @@ def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int
     )
     tiny_server.add_kernels_argument(p)
     p.add_argument("--deadline-s", type=float, default=570)
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=420,
+        help="the longest a server may take to start (on a fresh GPU machine the first server "
+        "compiles the JIT and DeepGEMM kernels while capturing its first decode graph: 2 min)",
+    )
     p.add_argument("--point-reserve-s", type=float, default=30)
     p.add_argument("extra_server_args", nargs="*", help="after --: appended to every server")
 
@@ -374,19 +388,22 @@ def run_servers(
     a: argparse.Namespace,
     report: Dict[str, Any],
     out_path: Path,
-    run_one: Callable[[str, float], Dict[str, Any]],
+    run_one: Callable[[str, Callable[[], float]], Dict[str, Any]],
 ) -> None:
-    """``run_one(kind, deadline)`` for each of ``--servers`` in turn, its result appended to
-    ``report["servers"]`` and the report written to ``out_path`` after each. Each server gets an
-    equal share of the time left before ``--deadline-s`` (counted from now), so a slow one cannot
-    leave the last nothing."""
-    deadline = time.time() + a.deadline_s
+    """``run_one(kind, points_end)`` for each of ``--servers`` in turn, its result appended to
+    ``report["servers"]`` and the report written to ``out_path`` after each. A server first starts
+    (``wait_started``); ``points_end()``, called then, gives the end of its equal share of the time
+    left before ``--deadline-s`` (counted from now), so neither a slow start nor a slow server
+    leaves the later ones nothing."""
+    a.run_deadline = time.time() + a.deadline_s
     kinds = [s for s in a.servers.split(",") if s]
     report["servers"] = []
     for i, kind in enumerate(kinds):
         logger.info("starting %s", kind)
-        share = time.time() + (deadline - time.time()) / (len(kinds) - i)
-        report["servers"].append(run_one(kind, share))
+        left = len(kinds) - i
+        report["servers"].append(
+            run_one(kind, lambda: time.time() + (a.run_deadline - time.time()) / left)
+        )
         out_path.write_text(results_json(report))
 
 
@@ -428,7 +445,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
     }
-    run_servers(a, report, out_path, lambda kind, end: run_server(kind, a, out_dir, end))
+    run_servers(
+        a, report, out_path, lambda kind, points_end: run_server(kind, a, out_dir, points_end)
+    )
     report["summary"] = {
         s["kind"]: {
             p["concurrency"]: {

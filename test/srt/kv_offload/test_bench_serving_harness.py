@@ -125,3 +125,25 @@ def test_trace_summary_splits_offload_kernels(tmp_path):
     assert s["kernel_us_per_step"] == 20 and s["offload_us_per_step"] == 5
     assert s["span_us_per_step"] == 21
     assert s["top_kernels"][0][:2] == ["gemm", 1]
+
+
+def test_each_server_shares_the_time_left_after_it_started(tmp_path, monkeypatch):
+    """A server that is slow to start (the first on a fresh GPU machine compiles the JIT kernels
+    while capturing its first graph) does not lose its points to its start, nor the later servers
+    theirs: each one's share of the deadline is counted from when it is ready."""
+    clock = [1000.0]
+    monkeypatch.setattr(bench_serving_dsa.time, "time", lambda: clock[0])
+    a = bench_serving_dsa.argparse.Namespace(deadline_s=300, servers="off,offload,hisparse")
+    shares = []
+
+    def run_one(kind, points_end):
+        clock[0] += 120 if kind == "off" else 10  # start-up
+        shares.append(points_end() - clock[0])
+        clock[0] += shares[-1]  # its points use all of its share
+        return {"kind": kind}
+
+    report = {}
+    bench_serving_dsa.run_servers(a, report, tmp_path / "r.json", run_one)
+    assert shares == [60, 55, 45]
+    assert [s["kind"] for s in report["servers"]] == ["off", "offload", "hisparse"]
+    assert json.loads((tmp_path / "r.json").read_text())["servers"] == report["servers"]
