@@ -32,10 +32,12 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
 from _real_server import TinyServer  # noqa: E402
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (  # noqa: E402
+    LOGICAL_LOC_STATE_BYTES,
+)
 
 LAYERS = 2  # the tiny model (test/srt/kv_offload/fixtures/tiny-deepseek-v32/config.json)
 INDEX_ROW = 132  # fp8 index key (128) + fp32 scale, per token and layer
-LOC_STATE = 16  # a logical loc's physical row and host slot (int64 each), all layers
 KV_ROW = {"bfloat16": 1152, "fp8_e4m3": 656}
 
 
@@ -122,7 +124,7 @@ def main() -> int:
         row = KV_ROW[dtype]
         on_budget = info["on"]["max_total_num_tokens"]
         off_bytes = (row + INDEX_ROW) * LAYERS
-        on_bytes = INDEX_ROW * LAYERS + LOC_STATE
+        on_bytes = INDEX_ROW * LAYERS + LOGICAL_LOC_STATE_BYTES
         loaded = state["loaded"] - before["loaded"]
         selected = state["selected"] - before["selected"]
         hits = state["hits"] - before["hits"]

@@ -406,7 +406,9 @@ def timing_point(bs: int, ctx: int, a) -> Dict[str, Any]:
     out["offload_share_lower_bound"] = lay_ms / (lay_ms + attn)
     # Release everything; the free counts return to where they started.
     for r in reqs:
-        st.coord.release(r, free_kv=True)
+        n = st.coord.requests[r].seq_len
+        st.coord.release(r)
+        st.alloc.free(st.r2t.req_to_token[r, :n].to(torch.int64))
     st.coord.drain()
     out["leak_free"] = st.alloc.free_counts() == start_free
     logger.info(

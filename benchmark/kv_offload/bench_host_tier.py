@@ -4,7 +4,7 @@
    4K / 26K / 131K rows of 656 B and 1152 B, against a pinned ``copy_`` of the same bytes in the same
    run. Sweeps the kernel launch shape (coarse grid at 26K rows, then the best few at every size).
 2. Prompt backup of a 32K-token request over 61 layers, device -> host, through the controller's
-   ``backup_request_pages`` + ``poll`` (or, when the upstream pools cannot be imported, the same
+   ``backup_batch`` + ``poll`` (or, when the upstream pools cannot be imported, the same
    ``copy_rows_all_layers`` call the controller makes).
 
 Writes ``$OUT/bench_host_tier.json`` (or ``--out``) and prints a table. Timings: CUDA events around
@@ -237,7 +237,7 @@ def bench_backup(row, tokens, layers, iters, configs):
     r2t = ReqToTokenPool(1, size, "cuda", False)
     for l in range(layers):
         pool.device_row_view(l).random_(0, 256) if row == 656 else pool.kv_buffer[l].normal_()
-    res["path"] = "controller.backup_request_pages+poll"
+    res["path"] = "controller.backup_batch+poll"
     res["free_counts_before"] = alloc.free_counts()
     seq = torch.tensor([tokens])
     z = torch.zeros(1, dtype=torch.int64)
@@ -253,7 +253,8 @@ def bench_backup(row, tokens, layers, iters, configs):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         w0 = time.perf_counter()
         s.record()
-        cc.backup_request_pages(r2t.req_to_token, 0, 0, tokens, tag="bench")
+        full = tokens // 64 * 64  # whole pages; the tail stays on the GPU
+        cc.backup_batch([("bench", r2t.req_to_token[0, :full].to(torch.int64), 0, full)])
         e.record(cc.write_stream)
         submit_ms = (time.perf_counter() - w0) * 1e3
         done = []

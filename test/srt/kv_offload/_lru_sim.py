@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Callable, Dict, List, Optional
 
 import torch
+from lru_ref import check_invariants
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanResult
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
@@ -403,7 +404,7 @@ def run_trace(
             if on_step is not None:
                 on_step(w, layer, dict(topk=topk_t, rpi=rpi, n_real=n_real, res=res))
         if check:
-            w.state.check_invariants()
+            check_invariants(w.state)
     return w
 
 

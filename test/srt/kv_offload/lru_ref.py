@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
     HINT_CANDIDATES,
     HINT_WAYS,
     LayerState,
+    SparseCacheState,
     hint_candidates,
     lookup_slots,
 )
@@ -202,3 +203,42 @@ def topk_positions_to_locs_ref(
     locs = torch.gather(rows, 1, pos.clamp(min=0)).to(torch.int32)
     out[:n_real] = torch.where(pos >= 0, locs, torch.full_like(locs, -1))
     return out[:bs]
+
+
+def check_invariants(state: SparseCacheState) -> None:
+    """Slow full check of a ``SparseCacheState``; raises AssertionError.
+
+    The LRU orders are permutations; a free request holds nothing; every hint entry names a slot
+    the request owns, holding a loc that has this entry among its candidates; no slot and no loc
+    is named twice in one layer of one request. (A loc may be held in two slots: the one without
+    an entry lost it and ages out.)
+    """
+    s = state
+    pos = torch.arange(s.hint.shape[2], device=s.device)
+    for r in range(s.max_reqs):
+        n = s.num_slots_cpu[r]
+        assert int(s.num_slots[r]) == n, f"num_slots mirror differs for req {r}"
+        if n == 0:
+            assert bool((s.slot_loc[:, r] == -1).all()), f"free req {r} has resident slots"
+            assert bool((s.hint[:, r] == -1).all()), f"free req {r} has hint entries"
+            continue
+        assert bool((s.out_cache_loc_sparse[r, :n] >= 0).all())
+        assert bool((s.slot_loc[:, r, n:] == -1).all())
+        for layer in range(s.num_layers):
+            where = f"req {r} layer {layer}"
+            order = s.lru[layer, r, :n].long()
+            assert torch.equal(
+                torch.sort(order).values, torch.arange(n, device=s.device)
+            ), f"lru of {where} is not a permutation"
+            e = s.hint[layer, r].long()
+            live = e >= 0
+            slots = e[live]
+            assert bool((slots < n).all()), f"{where}: a hint names a slot not owned"
+            held = s.slot_loc[layer, r, slots].long()
+            assert bool((held >= 0).all()), f"{where}: a hint names an empty slot"
+            cands = hint_candidates(held, s.hint_buckets)
+            assert bool(
+                (cands == pos[live][:, None]).any(dim=1).all()
+            ), f"{where}: a hint entry outside its loc's candidates"
+            assert slots.unique().numel() == slots.numel(), f"{where}: a slot named twice"
+            assert held.unique().numel() == held.numel(), f"{where}: a loc named twice"

@@ -70,6 +70,17 @@ class Tier:
             self.pool.device_row_view(l)[phys] = kv[l]
         return locs, kv
 
+    def backup(self, req, start, end, tag=None):
+        """Back up the complete pages of positions ``[start, end)`` of ``req`` (``start`` page
+        aligned, the end rounded down as the coordinator does); None without a complete page or
+        when the host pool is full."""
+        end = end // P * P
+        if end <= start:
+            return None
+        locs = self.r2t.req_to_token[req, start:end].to(torch.int64)
+        handles = self.cc.backup_batch([(tag, locs, start, end)])
+        return handles[0] if handles else None
+
     def decode_one(self, req, seq_len_before, kv):
         """One decode token: logical loc + physical tail row, then its KV is written."""
         seq = torch.tensor([seq_len_before + 1])
@@ -116,7 +127,7 @@ def big_tier(request):
 def test_prompt_round_trip_bit_exact(big_tier, n):
     t = big_tier
     locs, kv = t.admit(0, n)
-    h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, n, tag="r0")
+    h = t.backup(0, 0, n, tag="r0")
     full = n // P * P
     if full == 0:
         assert h is None and not t.cc.has_inflight()
@@ -164,7 +175,7 @@ def test_prompt_round_trip_bit_exact(big_tier, n):
 def test_load_respects_num_valid_and_skips_minus_one():
     t = Tier(656, physical=512, logical=512)
     locs, kv = t.admit(0, 128)
-    t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 128, tag=0)
+    t.backup(0, 0, 128, tag=0)
     t.cc.poll()
     slots = t.alloc.hisparse_attn_allocator.alloc(128)
     host_idx = t.alloc.loc_to_host[locs].clone()
@@ -185,7 +196,7 @@ def test_decode_tail_pages_are_backed_up_as_they_complete():
     t = Tier(1152, physical=1024, logical=1024)
     n0 = 100
     locs, kv = t.admit(0, n0)
-    h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, n0, tag="a")
+    h = t.backup(0, 0, n0, tag="a")
     backed = h.end
     t.cc.poll()
     seq = n0
@@ -193,7 +204,7 @@ def test_decode_tail_pages_are_backed_up_as_they_complete():
     for _ in range(200):
         t.decode_one(0, seq, kv)
         seq += 1
-        h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, backed, seq, tag="a")
+        h = t.backup(0, backed, seq, tag="a")
         if h is not None:
             assert seq % P == 0 and h.end == seq and h.num_tokens == P
             backed = h.end
@@ -214,8 +225,8 @@ def test_abort_during_inflight_backup_frees_host_once_after_copy():
     t = Tier(656, physical=1024, logical=1024)
     la, _ = t.admit(0, 192)
     lb, kvb = t.admit(1, 128)
-    ha = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 192, tag="a")
-    hb = t.cc.backup_request_pages(t.r2t.req_to_token, 1, 0, 128, tag="b")
+    ha = t.backup(0, 0, 192, tag="a")
+    hb = t.backup(1, 0, 128, tag="b")
     ga, gb = _Gate(ha.finish_event), _Gate(hb.finish_event)
     ha.finish_event, hb.finish_event = ga, gb
     gb.open = True
@@ -254,12 +265,12 @@ def test_many_requests_lifecycle_no_leak():
         n = int(torch.randint(1, 300, (1,), generator=g))
         locs, kv = t.admit(req, n)
         tag = f"r{i}"
-        h = t.cc.backup_request_pages(t.r2t.req_to_token, req, 0, n, tag=tag)
+        h = t.backup(req, 0, n, tag=tag)
         backed = h.end if h else 0
         for _ in range(int(torch.randint(0, 70, (1,), generator=g))):
             t.decode_one(req, n, kv)
             n += 1
-            h = t.cc.backup_request_pages(t.r2t.req_to_token, req, backed, n, tag=tag)
+            h = t.backup(req, backed, n, tag=tag)
             backed = h.end if h else backed
         if i % 3:
             t.cc.poll()
@@ -276,9 +287,9 @@ def test_host_full_defers_without_side_effects():
     t = Tier(656, physical=1024, logical=1024, host_tokens=128)
     locs, _ = t.admit(0, 192)
     before = t.alloc.free_counts()
-    assert t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 192, tag="x") is None
+    assert t.backup(0, 0, 192, tag="x") is None
     assert t.alloc.free_counts() == before and not t.cc.has_inflight()
-    assert t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 128, tag="x") is not None
+    assert t.backup(0, 0, 128, tag="x") is not None
     t.cc.drain()
     t.release(0, 192, "x")
     assert t.alloc.free_counts() == t.start
@@ -287,16 +298,14 @@ def test_host_full_defers_without_side_effects():
 def test_alignment_violations_raise_clearly():
     t = Tier(656, physical=1024, logical=1024)
     locs, _ = t.admit(0, 200)
-    with pytest.raises(ValueError, match="start position 10 .* not a multiple of page_size 64"):
-        t.cc.backup_request_pages(t.r2t.req_to_token, 0, 10, 200)
     with pytest.raises(ValueError, match="65 tokens .* not a whole number of pages of 64"):
-        t.cc.backup(locs[:65])
+        t.cc.backup_batch([(None, locs[:65], -1, -1)])
     with pytest.raises(ValueError, match="not whole pages"):
-        t.cc.backup(locs[1:65])
-    t.cc.backup(locs[:64])
+        t.cc.backup_batch([(None, locs[1:65], -1, -1)])
+    t.cc.backup_batch([(None, locs[:64], -1, -1)])
     t.cc.poll()
     with pytest.raises(ValueError, match="no physical KV row"):
-        t.cc.backup(locs[:64])  # already backed up and released
+        t.cc.backup_batch([(None, locs[:64], -1, -1)])  # already backed up and released
     assert t.host.available_size() == t.start["host"] - 64  # failed calls allocated nothing
 
 
@@ -326,7 +335,7 @@ def test_gpu_backup_poll_and_graph_replay_of_load_one_layer(row):
     assert t.cc.backup_config.num_programs == BACKUP_PROGRAMS
     n = 4096
     locs, kv = t.admit(0, n)
-    h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, n, tag="g")
+    h = t.backup(0, 0, n, tag="g")
     deadline = time.time() + 30
     done = []
     while not done:  # poll never blocks
@@ -374,7 +383,7 @@ def test_poll_orders_only_when_a_backup_completes():
     in-flight forward) before it changes any state, and only when something completes."""
     t = Tier(656, physical=1024, logical=1024)
     la, _ = t.admit(0, 128)
-    h = t.cc.backup_request_pages(t.r2t.req_to_token, 0, 0, 128, tag="a")
+    h = t.backup(0, 0, 128, tag="a")
     gate = _Gate(h.finish_event)
     h.finish_event = gate
     seen = []

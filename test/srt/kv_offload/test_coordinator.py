@@ -10,6 +10,7 @@ import torch
 from _pools import offload_device_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lru_ref import check_invariants
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
@@ -211,13 +212,15 @@ class Harness:
                 assert bool((got > 0).all()) and bool((rows[b, len(pos) :] == -1).all())
                 expect = self.kv[reqs[b]][layer][torch.tensor(pos, dtype=torch.int64)]
                 assert torch.equal(view[got], expect), f"layer {layer} req {reqs[b]} wrong rows"
-        self.sparse.check_invariants()
+        check_invariants(self.sparse)
 
     def retire(self, r) -> bool:
         """Release a request (finish / abort / retract all free the same way)."""
         n = self.seq_len(r)
-        assert self.coord.release(r, free_kv=True)
-        assert not self.coord.release(r, free_kv=True), "release is exactly once"
+        held = self.coord.requests[r].seq_len
+        assert self.coord.release(r)
+        assert not self.coord.release(r), "release is exactly once"
+        self.alloc.free(self.r2t.req_to_token[r, :held].to(torch.int64))  # upstream's part
         self.r2t.req_to_token[r, :n] = 0
         del self.kv[r]
         self.free_reqs.append(r)
@@ -229,7 +232,7 @@ class Harness:
         self.release_filler()
         self.coord.drain()
         assert self.alloc.free_counts() == self.start
-        self.sparse.check_invariants()
+        check_invariants(self.sparse)
         assert not self.coord.requests
 
 
@@ -332,7 +335,7 @@ def test_speculative_verify_loads_the_union_once_and_backs_up_committed_pages_on
             accepted = int(torch.randint(0, D, (1,), generator=gen))
             for layer in range(LAYERS):
                 h.kv[r][layer] = torch.cat([h.kv[r][layer], drafts[r][layer][: accepted + 1]])
-        h.sparse.check_invariants()
+        check_invariants(h.sparse)
     assert h.coord.stats["admitted"] == 2 and loaded > 0
     assert int(h.coord.workspace.stats[STAT_NAMES.index("loaded")]) == loaded
     h.coord.drain()
@@ -473,7 +476,7 @@ def test_admit_from_host_refused_changes_nothing(rows_left, needle):
     with pytest.raises(RuntimeError, match=needle):
         h.coord.admit_from_host(r, 65)
     assert h.alloc.free_counts() == before and r not in h.coord.requests
-    h.sparse.check_invariants()
+    check_invariants(h.sparse)
     h.alloc.free(locs)
     h.free_reqs.append(r)
     h.finish_all()
@@ -718,7 +721,9 @@ def test_gpu_scheduler_step_and_forward_side_never_sync_the_device():
     assert h.coord.stats["backup_tokens"] > backed_up
     assert int(h.coord.workspace.error_flags[0]) == 0
     for r in reqs:
-        h.coord.release(r, free_kv=True)
+        n = h.coord.requests[r].seq_len
+        h.coord.release(r)
+        h.alloc.free(h.r2t.req_to_token[r, :n].to(torch.int64))
     h.coord.drain()
     assert h.alloc.free_counts() == h.start
 
@@ -872,7 +877,7 @@ def test_shared_prefix_is_backed_up_once_read_back_for_prefill_and_kept_on_the_h
     assert h.start["logical"] - free["logical"] == 128 == h.start["host"] - free["host"]
     h.alloc.free(prefix)  # evicted
     assert h.alloc.free_counts() == h.start
-    h.sparse.check_invariants()
+    check_invariants(h.sparse)
     assert bool((h.sparse.hint == -1).all())
 
 

@@ -13,6 +13,7 @@ from lru_ref import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
     PlanResult,
+    check_invariants,
     compact_miss_list,
     plan_layer_ref,
 )
@@ -166,7 +167,7 @@ def test_empty_then_full_cache_short_requests():
     assert r1.num_misses.tolist() == [0, 32]  # request 0's 20 tokens are all tail rows
     r2 = _step(w, plan, rows)
     assert r2.num_misses.tolist() == [0, 0]
-    w.state.check_invariants()
+    check_invariants(w.state)
 
 
 def test_all_padding_and_all_minus_one_rows():
@@ -390,7 +391,7 @@ def test_requests_sharing_a_prefix_keep_their_own_slots():
         assert set(res.out_indices[1].tolist()) <= own[1]
         # both rows miss all 32 locs once (each request loads them into its own slots), then hit
         assert res.num_misses.tolist() == ([32, 31] if step == 0 else [0, 0])
-        w.state.check_invariants()
+        check_invariants(w.state)
     w.release(1)  # request 2 still uses the prefix: its locs stay, its hits stay correct
     assert all(w.loc_refs[x] == 1 for x in shared)
     res = plan(
@@ -438,7 +439,7 @@ def _prefix_trace_loads(shared: bool, reqs: int = 4, steps: int = 10) -> int:
         topk = torch.stack(rows).to(torch.int32)
         res = plan(topk, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
         w.load_and_check(0, topk, rpi, reqs, res, compact=True)
-    w.state.check_invariants()
+    check_invariants(w.state)
     return int(plan.ws.stats[STAT_NAMES.index("loaded")])
 
 
@@ -472,7 +473,7 @@ def test_colliding_locs_match_the_reference():
         res = plan(row, rpi, nr, w.loc_to_host, w.loc_to_tail, w.state.layer(0))
         w.load_and_check(0, row, rpi, 1, res, compact=False)
         misses.append(int(res.num_misses[0]))
-        w.state.check_invariants()
+        check_invariants(w.state)
     assert misses[0] == 32 and 0 < misses[1] < 12
 
 
@@ -540,7 +541,7 @@ def test_gpu_shared_prefix_equals_reference_and_loads_like_disjoint_prefixes():
                     r = int(rpi[b])
                     owned = torch.isin(o[b], st.out_cache_loc_sparse[r, :S].long())
                     assert bool(owned.all())
-            st.check_invariants()
+            check_invariants(st)
             assert int(ws.error_flags[0]) == 0
         loaded[shared] = int(ws.stats[STAT_NAMES.index("loaded")])
     assert loaded[True] <= 1.1 * loaded[False], loaded

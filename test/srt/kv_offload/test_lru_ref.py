@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from lru_ref import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
+    check_invariants,
     plan_layer_ref,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
@@ -214,8 +215,8 @@ def test_stale_hint_entries_never_hit_and_are_flagged():
         if not stale:
             w.state.slot_loc[:, 1] = -1
             with pytest.raises(AssertionError, match="names an empty slot"):
-                w.state.check_invariants()
+                check_invariants(w.state)
     w.state.release = lambda r: leaky_release(w, r)  # type: ignore[method-assign]
     w.release(1)
     with pytest.raises(AssertionError, match="free req 1 has hint entries"):
-        w.state.check_invariants()
+        check_invariants(w.state)

@@ -2,7 +2,7 @@
 
 * ``load_one_layer``: misses of one layer, host pool -> sparse slots, on the caller's stream, inside
   the decode CUDA graph (no sync, no allocation, no event query).
-* ``backup`` / ``backup_request_pages``: complete pages (prompt or decode tail) of all layers,
+* ``backup_batch``: complete pages (prompt or decode tail) of all layers of several requests,
   device -> freshly allocated host slots, on ``write_stream``. ``poll`` completes finished backups
   without blocking: it records their host slots in ``loc_to_host`` and frees their physical pages.
 * ``cancel``: an aborted request's in-flight backups free their host slots when the copy is done
@@ -176,20 +176,6 @@ class KVOffloadCacheController:
         self.allocator.host_pending_free += host_cpu.numel()
 
     # ------------------------------------------------------------------ backups
-    def backup(
-        self,
-        logical_locs: torch.Tensor,
-        tag: Hashable = None,
-        start: int = -1,
-        end: int = -1,
-    ) -> Optional[BackupHandle]:
-        """Back up whole pages of logical locs (all layers) to new host slots.
-
-        Returns ``None`` when the host pool is full (nothing changes; retry later).
-        """
-        handles = self.backup_batch([(tag, logical_locs, start, end)])
-        return handles[0] if handles else None
-
     def backup_batch(
         self, items: Sequence[Tuple[Hashable, torch.Tensor, int, int]]
     ) -> Optional[List[BackupHandle]]:
@@ -263,33 +249,6 @@ class KVOffloadCacheController:
             off += n
         self.inflight.extend(handles)
         return handles
-
-    def backup_request_pages(
-        self,
-        req_to_token: torch.Tensor,
-        req_pool_idx: int,
-        start: int,
-        end: int,
-        tag: Hashable = None,
-    ) -> Optional[BackupHandle]:
-        """Back up the complete pages of positions ``[start, end)`` of one request.
-
-        ``start`` must be page aligned (the previous backup's ``end``); ``end`` is rounded down to a
-        page, so the decode tail (< one page) stays on the GPU. Prompt: ``start=0, end=prompt_len``;
-        decode tail: ``start=<last handle's end>, end=seq_len``. Returns ``None`` when there is no
-        complete page or the host pool is full.
-        """
-        page = self.page_size
-        if start % page != 0:
-            raise ValueError(
-                f"kv_offload backup start position {start} (tag={tag!r}) is not a multiple of "
-                f"page_size {page}; start from the end of the previous backup"
-            )
-        end_aligned = end // page * page
-        if end_aligned <= start:
-            return None
-        locs = req_to_token[req_pool_idx, start:end_aligned].to(torch.int64)
-        return self.backup(locs, tag=tag, start=start, end=end_aligned)
 
     def _check_whole_pages(self, locs: torch.Tensor, tag: Hashable) -> None:
         pages = locs.view(-1, self.page_size)

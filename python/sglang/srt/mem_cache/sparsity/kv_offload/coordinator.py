@@ -496,13 +496,12 @@ class KVOffloadCoordinator:
         (under the overlap scheduler that stream prepares the next batch beside the forward)."""
         return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
-    def release(self, req_pool_idx: int, free_kv: bool = False, kv_len: int = 0) -> bool:
+    def release(self, req_pool_idx: int, kv_len: int = 0) -> bool:
         """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
 
         Frees the sparse slots and LRU entries, cancels in-flight backups (their host slots are
-        returned when the copy ends). With ``free_kv`` it also frees the request's logical locs and,
-        through the allocator, their physical rows and host slots; without it the caller frees them
-        (upstream's ``release_kv_cache`` path does, through the same allocator).
+        returned when the copy ends). The caller frees the request's logical locs and, through the
+        allocator, their physical rows and host slots (upstream's ``release_kv_cache`` path).
 
         With the radix cache the tree may keep any of the request's complete pages (and frees
         the rest, duplicates of pages it had included), so nothing is cancelled: the request's
@@ -512,17 +511,15 @@ class KVOffloadCoordinator:
         self.reservations.pop(int(req_pool_idx), None)
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
-            if self.share_prefixes and not free_kv and kv_len >= self.page_size:
+            if self.share_prefixes and kv_len >= self.page_size:
                 self._flush_unadmitted(int(req_pool_idx), int(kv_len))
             return False
         self._after_inflight_forward()
         self.sparse_cache.release(req.req_pool_idx)
-        if self.share_prefixes and not free_kv:
+        if self.share_prefixes:
             self._flush_for_tree(req)
         else:
             self.controller.cancel_tag(req.req_pool_idx)
-        if free_kv and req.seq_len > 0:
-            self.allocator.free(self.req_to_token[req.req_pool_idx, : req.seq_len].to(torch.int64))
         self.stats["released"] += 1
         return True
 

@@ -18,7 +18,7 @@ A loc ``x`` is a hit of request ``r`` iff some candidate entry of ``x`` in ``hin
 ``s`` with ``slot_loc[l, r, s] == x``. The table is only ever read and written by request ``r``'s own
 plans, so requests sharing locs (radix prefixes) never take each other's entries. It is a hint: an
 entry lost to a full pair of buckets makes its loc a later miss (loaded into another slot, the old
-copy ages out), never a wrong row. Invariants (checked by :meth:`SparseCacheState.check_invariants`):
+copy ages out), never a wrong row. Invariants (the tests check them after every step):
 every entry names a slot holding a loc that has the entry among its candidates; no slot and no loc
 is named twice.
 
@@ -157,9 +157,6 @@ class SparseCacheState:
         """Slots a request of ``context_len`` tokens owns: ``min(buffer, context)`` page-rounded."""
         return min(self.max_slots, _round_up(max(int(context_len), 1), PAGE_SIZE))
 
-    def can_admit(self, context_len: int) -> bool:
-        return self.allocator.available_size() >= self.slots_for(context_len)
-
     def layer(self, layer_id: int) -> LayerState:
         return LayerState(
             self.hint[layer_id],
@@ -224,50 +221,6 @@ class SparseCacheState:
         self.num_slots_cpu[r] = target
         return True
 
-    def mark_resident(self, req_pool_idx: int, locs: torch.Tensor) -> torch.Tensor:
-        """Declare that slot ``i`` holds logical loc ``locs[i]`` in every layer (freshly admitted only).
-
-        Use it when a request's KV is already on the GPU at admission (e.g. a short prompt): the
-        caller copies each layer's rows of ``locs`` into the returned physical rows. Those tokens
-        start as most recent; the remaining slots stay empty.
-        """
-        r = int(req_pool_idx)
-        n = self.num_slots_cpu[r]
-        m = int(locs.numel())
-        if m > n:
-            raise ValueError(f"{m} resident tokens do not fit in {n} slots")
-        if m == 0:
-            return self.out_cache_loc_sparse[r, :0]
-        if bool((self.slot_loc[:, r, :n] >= 0).any()):
-            raise RuntimeError("mark_resident needs a request whose slots are all empty")
-        locs = locs.to(device=self.device, dtype=torch.int64)
-        self.hint[:, r] = self._hints_for(locs)
-        self.slot_loc[:, r, :m] = locs.to(torch.int32)
-        order = torch.cat(
-            [torch.arange(m, n, device=self.device), torch.arange(m, device=self.device)]
-        ).to(torch.int16)
-        self.lru[:, r, :n] = order
-        return self.out_cache_loc_sparse[r, :m]
-
-    def _hints_for(self, locs: torch.Tensor) -> torch.Tensor:
-        """A hint table naming slot ``i`` for ``locs[i]`` (distinct locs): each loc takes its first
-        free candidate entry, the lowest slot winning a contested one; a loc left with none
-        (all candidates taken) stays unnamed and misses later."""
-        table = torch.full_like(self.hint[0, 0], -1)
-        m = locs.numel()
-        idx = torch.arange(m, device=self.device)
-        cands = hint_candidates(locs, self.hint_buckets)
-        pending = torch.ones(m, dtype=torch.bool, device=self.device)
-        for j in range(HINT_CANDIDATES):
-            c = cands[:, j]
-            free = pending & (table[c] < 0)
-            first = torch.full(table.shape, m, dtype=torch.int64, device=self.device)
-            first.scatter_reduce_(0, c[free], idx[free], reduce="amin")
-            won = free & (first[c] == idx)
-            table[c[won]] = idx[won].to(table.dtype)
-            pending &= ~won
-        return table
-
     def release(self, req_pool_idx: int) -> int:
         """Free the request's slots and clear its hint table. Returns the rows freed.
 
@@ -286,73 +239,3 @@ class SparseCacheState:
         self.num_slots[r : r + 1] = 0
         self.num_slots_cpu[r] = 0
         return n
-
-    # ------------------------------------------------------------ bookkeeping
-    def metadata_bytes(self) -> int:
-        """Bytes of LRU state (excluding the KV rows themselves and the per-batch plan workspace)."""
-        return sum(
-            t.numel() * t.element_size()
-            for t in (
-                self.hint,
-                self.slot_loc,
-                self.lru,
-                self.out_cache_loc_sparse,
-                self.num_slots,
-            )
-        )
-
-    @staticmethod
-    def metadata_fraction(
-        context_len: int = 128 * 1024,
-        num_layers: int = 61,
-        row_bytes: int = 656,
-        buffer_slots: int = 4096,
-    ) -> float:
-        """Metadata / managed KV bytes for one request of ``context_len`` tokens.
-
-        Per slot and layer: ``slot_loc`` 4 B + ``lru`` 2 B + ``hint`` 2 B x
-        ``HINT_ENTRIES_PER_SLOT``. Per slot: ``out_cache_loc_sparse`` 4 B; per request
-        ``num_slots``. Nothing per token. At 128K, 61 layers, 656 B rows, 4096 slots:
-        (10*4096*61 + 4*4096 + 4) / (656*131072*61) = 0.048 %.
-        """
-        slots = _round_up(buffer_slots, PAGE_SIZE)
-        per_slot_layer = 4 + 2 + 2 * HINT_ENTRIES_PER_SLOT
-        meta = per_slot_layer * slots * num_layers + 4 * slots + 4
-        return meta / (row_bytes * context_len * num_layers)
-
-    def check_invariants(self) -> None:
-        """Slow full check of the state (tests and debugging); raises AssertionError.
-
-        The LRU orders are permutations; a free request holds nothing; every hint entry names a
-        slot the request owns, holding a loc that has this entry among its candidates; no slot
-        and no loc is named twice in one layer of one request. (A loc may be held in two slots:
-        the one without an entry lost it and ages out.)
-        """
-        pos = torch.arange(self.hint.shape[2], device=self.device)
-        for r in range(self.max_reqs):
-            n = self.num_slots_cpu[r]
-            assert int(self.num_slots[r]) == n, f"num_slots mirror differs for req {r}"
-            if n == 0:
-                assert bool((self.slot_loc[:, r] == -1).all()), f"free req {r} has resident slots"
-                assert bool((self.hint[:, r] == -1).all()), f"free req {r} has hint entries"
-                continue
-            assert bool((self.out_cache_loc_sparse[r, :n] >= 0).all())
-            assert bool((self.slot_loc[:, r, n:] == -1).all())
-            for layer in range(self.num_layers):
-                where = f"req {r} layer {layer}"
-                order = self.lru[layer, r, :n].long()
-                assert torch.equal(
-                    torch.sort(order).values, torch.arange(n, device=self.device)
-                ), f"lru of {where} is not a permutation"
-                e = self.hint[layer, r].long()
-                live = e >= 0
-                slots = e[live]
-                assert bool((slots < n).all()), f"{where}: a hint names a slot not owned"
-                held = self.slot_loc[layer, r, slots].long()
-                assert bool((held >= 0).all()), f"{where}: a hint names an empty slot"
-                cands = hint_candidates(held, self.hint_buckets)
-                assert bool(
-                    (cands == pos[live][:, None]).any(dim=1).all()
-                ), f"{where}: a hint entry outside its loc's candidates"
-                assert slots.unique().numel() == slots.numel(), f"{where}: a slot named twice"
-                assert held.unique().numel() == held.numel(), f"{where}: a loc named twice"
