@@ -41,11 +41,12 @@ def _pages(tokens: int) -> int:
 
 def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pages: int) -> Dict:
     """Requests of ``length`` tokens held at once without and with the flag."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import stays_resident
+
     layout = sizing.layout
     off = flag_off_tokens // (_pages(length) * PAGE)
     sparse = slots // PAGE + tail_pages
-    # A request whose whole context takes no more pages than its slots and tail pages stays resident.
-    resident = _pages(length) <= sparse
+    resident = stays_resident(length, slots, tail_pages, PAGE)
     phys = _pages(length) if resident else sparse
     logical = _pages(length)
     # k requests fit if their physical and logical pages do, in whole units.

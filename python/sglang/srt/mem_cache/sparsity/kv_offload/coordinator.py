@@ -49,6 +49,16 @@ logger = logging.getLogger(__name__)
 HOST_CLAIMED = -2
 
 
+def stays_resident(
+    final_len: int, sparse_slots: int, tail_pages: int, page_size: int, lookahead: int = 0
+) -> bool:
+    """The resident rule: a request that may reach ``final_len`` positions (plus ``lookahead``
+    positions allocated ahead) keeps its whole context on the GPU when that takes no more rows
+    than going sparse would, its ``sparse_slots`` and its ``tail_pages``."""
+    pages = -(-(final_len + lookahead) // page_size)
+    return pages * page_size <= sparse_slots + tail_pages * page_size
+
+
 @dataclasses.dataclass
 class OffloadedRequest:
     """Host-side bookkeeping of one admitted request."""
@@ -183,8 +193,13 @@ class KVOffloadCoordinator:
         """Whether a request that may reach ``final_len`` positions is kept on the GPU whole: its
         whole context (speculative lookahead included) takes no more rows than going sparse
         would (its most sparse slots and its tail pages)."""
-        page = self.page_size
-        return -(-(final_len + self.lookahead) // page) * page <= self._sparse_rows
+        return stays_resident(
+            final_len,
+            self.sparse_cache.max_slots,
+            self.tail_pages,
+            self.page_size,
+            self.lookahead,
+        )
 
     def promise_rows(self, final_len: int) -> int:
         """Physical rows a request that may reach ``final_len`` positions may come to hold: its
