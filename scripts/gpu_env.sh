@@ -42,3 +42,15 @@ export KV_OFFLOAD_KERNELS="$KVO_KERNELS"
 export KV_OFFLOAD_STUB_ALL_SGL_KERNEL_NAMES=1
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export PYTHONPATH="$KVO_PATH:/tmp/kvo-site${PYTHONPATH:+:$PYTHONPATH}"
+# The JIT caches (0.5.23's JIT kernels, DeepGEMM, Triton) in one folder. On a fresh machine the
+# first server compiles them while capturing its first decode graph (about 2 minutes at the
+# DeepSeek-V3.2 shapes); a carried .gpu/jit-cache.tar.gz, a tar of that folder from an earlier
+# call (`tar -czf "$OUT/jit-cache.tar.gz" -C /tmp/kvo-jit .`), spares it that.
+export SGLANG_JIT_CACHE_DIR=/tmp/kvo-jit/sglang
+export DG_JIT_CACHE_DIR=/tmp/kvo-jit/deep_gemm
+export TRITON_CACHE_DIR=/tmp/kvo-jit/triton
+mkdir -p /tmp/kvo-jit
+if [ -f "$KVO_ROOT/.gpu/jit-cache.tar.gz" ] && [ ! -e /tmp/kvo-jit/.restored ]; then
+  tar -xzf "$KVO_ROOT/.gpu/jit-cache.tar.gz" -C /tmp/kvo-jit && touch /tmp/kvo-jit/.restored \
+    || echo "gpu_env: could not restore .gpu/jit-cache.tar.gz; kernels compile again" >&2
+fi
