@@ -149,7 +149,7 @@ def run_serve(args) -> Dict:
     out_dir = Path(tempfile.mkdtemp(prefix="kvcap-"))  # short: ZMQ ipc paths
     return {
         "mode": "serve",
-        "model": "tiny DeepSeek-V3.2 (2 layers, bf16, CPU)",
+        "model": "tiny DeepSeek-V3.2 (8 layers, bf16, CPU)",
         "max_total_tokens": args.max_total_tokens,
         "max_running": args.max_running,
         "output_len": args.output_len,
