@@ -24,7 +24,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

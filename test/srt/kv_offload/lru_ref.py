@@ -41,7 +41,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (  # noqa: F401
     PlanResult,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
-    HINT_CANDIDATES,
     HINT_WAYS,
     LayerState,
     SparseCacheState,

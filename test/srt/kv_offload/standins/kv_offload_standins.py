@@ -310,9 +310,9 @@ def fp8_paged_mqa_logits(
     score = torch.einsum("bthd,bld->bthl", qf, k).relu()
     w = weights.to(cdt).reshape(batch, next_n, heads, 1)
     logits = (score * w).sum(dim=2).float().reshape(batch * next_n, max_context_len)
-    lens = _decode_lens(context_lens, batch, next_n)
     if _replay_period() is not None:
-        logits = replay_scores(_replay_layer(kv_cache), pos, lens, _replay_period())
+        return _replayed_logits(kv_cache, context_lens, batch, next_n, max_context_len)
+    lens = _decode_lens(context_lens, batch, next_n)
     return logits.masked_fill(pos[None, :] >= lens, float("-inf"))
 
 
@@ -370,6 +370,17 @@ def _drift(key: int, pos: torch.Tensor, n: torch.Tensor, period: int) -> torch.T
     return (g / torch.sqrt((1 - f) ** 2 + f**2)).float()
 
 
+def _replayed_logits(
+    index_cache: torch.Tensor, context_lens: torch.Tensor, batch: int, next_n: int, width: int
+) -> torch.Tensor:
+    """The decode logits the replay serves (S4, B1): ``[batch * next_n, width]`` replay scores of
+    the layer owning ``index_cache``, ``-inf`` at or past each row's context length."""
+    pos = torch.arange(width, device=context_lens.device)
+    lens = _decode_lens(context_lens, batch, next_n)
+    scores = replay_scores(_replay_layer(index_cache), pos, lens, _replay_period())
+    return scores.masked_fill(pos[None, :] >= lens, float("-inf"))
+
+
 def replay_scores(layer: int, pos: torch.Tensor, lens: torch.Tensor, period: int) -> torch.Tensor:
     """``[rows, len(pos)]`` relevance of each position for rows of context ``lens`` (``[rows, 1]``)."""
     pos, n = pos.long()[None, :], lens.long()
@@ -395,11 +406,10 @@ def _patch_deep_gemm(module) -> None:
             q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_context_len,
             clean_logits=clean_logits,
         )  # fmt: skip
-        pos = torch.arange(max_context_len, device=q.device)
-        lens = _decode_lens(context_lens, q.shape[0], q.shape[1])
-        scores = replay_scores(_replay_layer(kv_cache), pos, lens, _replay_period())
-        logits.copy_(scores.masked_fill(pos[None, :] >= lens, float("-inf")))
-        return logits
+        batch, next_n = q.shape[:2]
+        return logits.copy_(
+            _replayed_logits(kv_cache, context_lens, batch, next_n, max_context_len)
+        )
 
     module.fp8_paged_mqa_logits = fp8_paged_mqa_logits
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (

@@ -45,7 +45,6 @@ from sglang.srt.runtime_context import (
     get_memory,
     get_observability,
     get_parallel,
-    get_schedule,
     get_serving,
     get_spec,
 )
