@@ -23,8 +23,8 @@ its KV token capacity (``max_total_num_tokens`` of ``GET /server_info``).
 top-k 2048) and a narrower MoE (``--experts``, each token still runs 8 routed + 1 shared expert
 of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the tiny model (CPU CI).
 
-``--profile-concurrency C`` also asks the server (through bench_serving's ``--profile``) for a
-torch-profiler trace of ``--profile-steps`` decode steps at that concurrency and reports the GPU
+``--profile-concurrency C`` also asks the server (through bench_serving's ``--profile
+--profile-by-stage``) for a torch-profiler trace of ``--profile-steps`` decode steps at that concurrency and reports the GPU
 kernel time per step split into kv offload's launches and the rest (:func:`summarize_trace`).
 
 Results (``--out``) are rewritten after every point, so a run cut short keeps what it got; each
@@ -146,7 +146,9 @@ def bench_serving_cmd(
         "--warmup-requests", "1", "--disable-tqdm",
     ]  # fmt: skip
     if a.profile_concurrency == conc:
-        cmd += ["--profile", "--profile-num-steps", str(a.profile_steps)]
+        # By stage: the first ``--profile-steps`` prefill steps and then as many decode steps go
+        # to two traces; the decode one (``*-DECODE.trace.json*``) is summarized.
+        cmd += ["--profile", "--profile-by-stage", "--profile-num-steps", str(a.profile_steps)]
         cmd += ["--profile-activities", "CPU", "GPU", "--profile-output-dir", str(profile_dir)]
     return cmd
 
@@ -286,7 +288,9 @@ def run_server(
             if a.profile_concurrency == conc:
                 # The server writes the trace after the client returns ("Profiling done").
                 wait_for_log(server, "Profiling done", since, timeout=180.0)
-                traces = sorted(glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True))
+                traces = sorted(
+                    glob.glob(str(prof_dir / "**" / "*DECODE*.trace.json*"), recursive=True)
+                )
                 point["profile"] = (
                     summarize_trace(traces[-1], a.profile_steps) if traces else "no trace written"
                 )
