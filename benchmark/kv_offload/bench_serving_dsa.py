@@ -24,8 +24,10 @@ top-k 2048) and a narrower MoE (``--experts``, each token still runs 8 routed + 
 of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the tiny model (CPU CI).
 
 ``--profile-concurrency C`` also asks the server (through bench_serving's ``--profile
---profile-by-stage``) for a torch-profiler trace of ``--profile-steps`` decode steps at that concurrency and reports the GPU
-kernel time per step split into kv offload's launches and the rest (:func:`summarize_trace`).
+--profile-by-stage``) for a torch-profiler trace of ``--profile-steps`` decode steps at that
+concurrency and reports the GPU kernel time per step split into kv offload's launches and the rest
+(:func:`summarize_trace`). Upstream's by-stage profiler ends a decode capture at the next prefill
+batch, so only ``C = 1`` (no prompt admitted while another decodes) gives every server its steps.
 
 Results (``--out``) are rewritten after every point, so a run cut short keeps what it got; each
 server's log and each point's bench_serving output lie next to it.
