@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,7 +52,6 @@ class BackupHandle:
     finish_event: Any = None
     cancelled: bool = False
     done: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
