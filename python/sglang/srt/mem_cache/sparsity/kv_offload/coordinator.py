@@ -510,11 +510,11 @@ class KVOffloadCoordinator:
     def poll(self) -> int:
         """Complete finished backups without blocking; returns how many completed. Called once per
         scheduler iteration (``runtime.on_scheduler_iteration``) and by :meth:`before_decode_step`,
-        whose slot grants read the free counts; nothing else completes backups (reads such as
-        :meth:`offload_state` do not). Completion frees physical pages and changes the mapping an
-        in-flight forward reads, so it is ordered after it; an iteration that completes nothing
-        changes nothing and leaves the scheduler's stream alone (under the overlap scheduler that
-        stream prepares the next batch beside the forward)."""
+        whose slot grants read the free counts; besides them only the blocking drains complete
+        backups (reads such as :meth:`offload_state` do not). Completion frees physical pages and
+        changes the mapping an in-flight forward reads, so it is ordered after it; an iteration
+        that completes nothing changes nothing and leaves the scheduler's stream alone (under the
+        overlap scheduler that stream prepares the next batch beside the forward)."""
         return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
     def release(self, req_pool_idx: int, kv_len: int = 0) -> bool:
