@@ -388,10 +388,16 @@ def wait_for(condition, what: str, timeout: float = 120.0) -> None:
 
 
 def wait_released(url: str) -> Optional[Dict[str, Any]]:
-    """The offload state once no request holds anything (None without the flag)."""
+    """The offload state once no request holds anything and no backup is in flight (the state is
+    a pure read: the scheduler loop completes backups); None without the flag."""
     state = offload_state(url)
     if state is not None:
-        wait_for(lambda: offload_state(url)["promised"] == 0, "kv offload requests released")
+
+        def released() -> bool:
+            now = offload_state(url)
+            return now["promised"] == now["backups_in_flight"] == 0
+
+        wait_for(released, "kv offload requests released")
         state = offload_state(url)
     return state
 

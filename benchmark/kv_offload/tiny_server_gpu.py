@@ -418,11 +418,19 @@ def run_batched(
     }
 
 
-def server_state(server: Server) -> Optional[Dict[str, Any]]:
-    """``internal_states[0]["kv_offload"]`` of ``GET /get_server_info`` (None when absent)."""
-    info = http("GET", server.url + "/get_server_info", timeout=60)
-    states = info.get("internal_states") or [{}]
-    return states[0].get("kv_offload")
+def server_state(server: Server, timeout: float = 30.0) -> Optional[Dict[str, Any]]:
+    """``internal_states[0]["kv_offload"]`` of ``GET /get_server_info`` (None when absent) once no
+    request is live and no backup is in flight, read between phases: the state is a pure read and
+    the scheduler loop completes backups, so counts read as the last request ends may lag one
+    iteration. After ``timeout`` s, the last state read."""
+    deadline = time.time() + timeout
+    while True:
+        info = http("GET", server.url + "/get_server_info", timeout=60)
+        state = (info.get("internal_states") or [{}])[0].get("kv_offload")
+        settled = state is None or state["requests"] == state["backups_in_flight"] == 0
+        if settled or time.time() > deadline:
+            return state
+        time.sleep(0.2)
 
 
 def counter_delta(before: Optional[dict], after: Optional[dict]) -> Optional[Dict[str, int]]:

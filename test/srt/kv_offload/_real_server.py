@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import requests
 
@@ -323,14 +323,32 @@ class TinyServer:
         Returns the first scheduler's last offload state; raises AssertionError naming what did
         not come back.
         """
+        return self._wait_states(
+            lambda s: s["requests"] == 0 and s["free"] == s["initial_free"],
+            "kv offload free counts not back at start",
+            timeout,
+        )
+
+    def wait_settled(self, timeout: float = IDLE_TIMEOUT_S) -> Dict:
+        """Wait until every scheduler has no live request and no backup in flight, and return the
+        first one's offload state: its free counts then stay as they are until the next request
+        (the state is a pure read, and the scheduler loop completes backups in its next iteration).
+        With the radix cache the tree keeps pages, so they need not be back at start."""
+        return self._wait_states(
+            lambda s: s["requests"] == 0 and s["backups_in_flight"] == 0,
+            "kv offload requests or backups still live",
+            timeout,
+        )
+
+    def _wait_states(self, done: Callable[[Dict], bool], what: str, timeout: float) -> Dict:
         deadline = time.time() + timeout
         while True:
             states = self.offload_states()
-            if all(s["requests"] == 0 and s["free"] == s["initial_free"] for s in states):
+            if all(done(s) for s in states):
                 return states[0]
             if time.time() > deadline:
-                raise AssertionError(f"kv offload free counts not back at start: {states}")
-            time.sleep(1)
+                raise AssertionError(f"{what}: {states}")
+            time.sleep(0.2)
 
     def max_running_seen(self) -> int:
         found = re.findall(r"Decode batch, #running-req: (\d+)", self.log())

@@ -266,6 +266,23 @@ def test_random_lifecycles_resolve_rows_and_leak_nothing(data):
     h.finish_all()
 
 
+def test_offload_state_is_a_pure_read_and_the_scheduler_iteration_completes_backups():
+    """``/server_info``'s offload state completes no backup and frees nothing, however often it
+    is read; the scheduler iteration completes the finished backups and frees their rows."""
+    from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
+
+    h = Harness()
+    gate = KVOffloadRuntime(h.coord, h.r2t)
+    assert h.admit(200)  # sparse: the backup of its 3 complete pages starts, not waited for
+    state = gate.internal_state()
+    assert state["backups_in_flight"] == 1 and gate.internal_state() == state
+    assert not gate.on_scheduler_iteration()
+    done = gate.internal_state()
+    assert done["backups_in_flight"] == 0
+    assert done["free"]["physical"] == state["free"]["physical"] + 3 * P
+    h.finish_all()
+
+
 def test_speculative_verify_loads_the_union_once_and_backs_up_committed_pages_only():
     """EAGLE-style steps: locs allocated ahead of the committed tokens, ``D`` tokens verified per
     step (their KV written into tail rows, rejected ones rewritten next step), each layer's

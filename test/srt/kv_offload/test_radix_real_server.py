@@ -85,8 +85,7 @@ def workload(server: TinyServer, on: bool) -> Dict:
     def settle(what: str) -> None:
         if not on:
             return
-        wait_until(lambda: server.offload_state()["requests"] == 0, "requests released", 60)
-        host, logical, physical = used(server.offload_state())
+        host, logical, physical = used(server.wait_settled())
         checks.append((what, host, logical, physical, tree_tokens(outs)))
 
     def run(prompt: List[int]) -> Dict:
@@ -134,8 +133,7 @@ def workload(server: TinyServer, on: bool) -> Dict:
     call.join(timeout=120)
     assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort", box["out"]["meta_info"]
     if on:
-        wait_until(lambda: server.offload_state()["requests"] == 0, "requests released", 60)
-        host, logical, physical = used(server.offload_state())
+        host, logical, physical = used(server.wait_settled())
         checks.append(("abort", host, logical, physical, None))
     return flushed(server, {"outs": outs, "checks": checks}, on)
 
@@ -234,8 +232,7 @@ def pd_workload(pair: PDPair, on: bool) -> Dict:
         out = decode_generate(pair.url, prompt)
         outs.append((prompt, out))
         if on:
-            wait_until(lambda: decode.offload_state()["requests"] == 0, "requests released", 60)
-            state = decode.offload_state()
+            state = decode.wait_settled()
             free, start = state["free"], state["initial_free"]
             used = tuple(start[k] - free[k] for k in ("host", "logical", "physical"))
             checks.append((len(outs), *used, tree_tokens(outs)))

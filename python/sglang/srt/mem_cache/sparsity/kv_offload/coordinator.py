@@ -257,6 +257,10 @@ class KVOffloadCoordinator:
         ``staged_len`` positions so far); :meth:`release` withdraws it."""
         self.reservations[int(req_pool_idx)] = (int(final_len), int(staged_len))
 
+    def count_prefill_wait(self) -> None:
+        """Count one refusal of the prefill gate (``stats["prefill_waits"]``)."""
+        self.stats["prefill_waits"] += 1
+
     # ------------------------------------------------------------------ scheduler side
     def admit(
         self,
@@ -504,11 +508,13 @@ class KVOffloadCoordinator:
             self.allocator.release_physical(logical[keep])
 
     def poll(self) -> int:
-        """Complete finished backups without blocking (every scheduler iteration, and before
-        anything that reads free counts); returns how many completed. Completion frees physical
-        pages and changes the mapping an in-flight forward reads, so it is ordered after it; an
-        iteration that completes nothing changes nothing and leaves the scheduler's stream alone
-        (under the overlap scheduler that stream prepares the next batch beside the forward)."""
+        """Complete finished backups without blocking; returns how many completed. Called once per
+        scheduler iteration (``runtime.on_scheduler_iteration``) and by :meth:`before_decode_step`,
+        whose slot grants read the free counts; besides them only the blocking drains complete
+        backups (reads such as :meth:`offload_state` do not). Completion frees physical pages and
+        changes the mapping an in-flight forward reads, so it is ordered after it; an iteration
+        that completes nothing changes nothing and leaves the scheduler's stream alone (under the
+        overlap scheduler that stream prepares the next batch beside the forward)."""
         return len(self.controller.poll(before_complete=self._after_inflight_forward))
 
     def release(self, req_pool_idx: int, kv_len: int = 0) -> bool:
@@ -695,8 +701,10 @@ class KVOffloadCoordinator:
 
     def offload_state(self) -> Dict[str, object]:
         """What ``GET /get_server_info`` reports as ``internal_states[i]["kv_offload"]``: free
-        counts now and at start (equal when nothing leaked), live requests and counters."""
-        self.poll()
+        counts now and at start (equal when nothing leaked), live requests and counters.
+
+        A pure read: backups that finished since the last :meth:`poll` still count as in flight
+        (their rows as used) until the next scheduler iteration completes them."""
         return {
             "free": self.allocator.free_counts(),
             "initial_free": dict(self.initial_free),

@@ -98,7 +98,7 @@ class KVOffloadHooks(abc.ABC):
     @abc.abstractmethod
     def internal_state(self) -> Dict[str, object]:
         """``SchedulerInternalStateController.get_internal_state``: the ``kv_offload`` entry of
-        ``GET /server_info``."""
+        ``GET /server_info``. A pure read: it completes no backup and frees nothing."""
 
     # ------------------------------------------------------------------ PD decode queue
     @abc.abstractmethod

@@ -385,7 +385,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         if coordinator.can_stage(prompts):
             self._refused_room = None
             return True
-        coordinator.stats["prefill_waits"] += 1
+        coordinator.count_prefill_wait()
         self._refused_room = self._gpu_room()
         return False
 
@@ -410,10 +410,9 @@ class KVOffloadRuntime(KVOffloadHooks):
         ended): the scheduler then lets its waiting prompts try again, as it does when a request
         finishes (upstream retries only then, which would hold a staged burst to one wave)."""
         self.coordinator.release_restored()
+        self.coordinator.poll()
         if self.metrics is not None and self.metrics.due():
-            self.metrics.update(self.coordinator.offload_state())  # polls too
-        else:
-            self.coordinator.poll()
+            self.metrics.update(self.coordinator.offload_state())
         if self._refused_room is None:
             return False
         rows, logical = self._gpu_room()
