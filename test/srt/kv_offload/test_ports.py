@@ -1,4 +1,4 @@
-"""The harness's ports (``_real_server.free_port``): reserved across processes, never guessed.
+"""The harness's ports (``tiny_server_proc.free_port``): reserved across processes, never guessed.
 
 Servers, their NCCL/gloo ports, the PD bootstrap port and the load balancer's all come from
 ``free_port``; a server's port comes with the ports upstream derives from it under attention DP.
@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _real_server import (
+from tiny_server_proc import (
     HARNESS_PORTS,
     MOONCAKE_RPC_PORTS,
     SERVER_PORT_OFFSETS,
@@ -28,6 +28,7 @@ from _real_server import (
 )
 
 HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE.parents[2] / "scripts"
 
 
 def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
@@ -35,7 +36,7 @@ def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
     With ``hold`` it keeps the reservation until its stdin closes."""
     code = textwrap.dedent(f"""
         import sys
-        from _real_server import free_port
+        from tiny_server_proc import free_port
         try:
             print(free_port({list(candidates)!r}), flush=True)
         except RuntimeError as exc:
@@ -45,7 +46,7 @@ def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
         """)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
     }
     return subprocess.Popen(
         [sys.executable, "-c", code],
@@ -162,10 +163,8 @@ def test_the_offsets_cover_every_port_upstream_derives_under_attention_dp():
 def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):
     """Upstream's own pick below the ephemeral range, the kernel's ephemeral range (bind(0), ZMQ's
     random ports) and Mooncake's RPC ports (pinned by tiny_pd.pd_env) never reach ours."""
-    from sglang.srt.utils.network import get_free_port_below_ephemeral
-
-    sys.path.insert(0, str(HERE.parents[2] / "scripts"))
     import tiny_pd
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
 
     defaults = inspect.signature(get_free_port_below_ephemeral).parameters
     upstream = range(defaults["low"].default, defaults["high"].default + 1)
