@@ -9,9 +9,12 @@ from on its own.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +28,7 @@ from tiny_server_proc import (
     SERVER_PORT_OFFSETS,
     free_port,
     release_port,
+    stop_process_group,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -174,3 +178,34 @@ def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):
     monkeypatch.setattr(tiny_pd, "debian_lib_dir", lambda: "/libs")
     env = tiny_pd.pd_env()
     assert range(int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]) + 1) == MOONCAKE_RPC_PORTS
+
+
+def test_a_stopped_servers_ports_are_free_once_its_whole_process_group_is_gone():
+    """A process of the server's group that ignores SIGTERM and outlives the group's leader (as a
+    scheduler subprocess can) still holds a port: ``stop_process_group`` kills it after the grace
+    time and returns only once it is gone, so the port can be handed out again."""
+    port = free_port()
+    release_port(port)  # as the server given it: bound by a process of the group
+    holder = (
+        "import signal, socket, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); print(flush=True); "
+        "time.sleep(300)"
+    )
+    leader = subprocess.Popen(
+        ["bash", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(holder)} & read -r _"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        leader.stdout.readline()  # the holder has bound the port
+        leader.stdin.close()  # the leader exits; the holder lives on in its group
+        leader.wait(60)
+        with pytest.raises(RuntimeError, match="no free TCP port"):
+            free_port([port])
+        stop_process_group(leader, grace_s=1)
+        assert free_port([port]) == port
+        release_port(port)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
