@@ -29,12 +29,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
-from _real_server import TinyServer  # noqa: E402
-from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (  # noqa: E402
-    LOGICAL_LOC_STATE_BYTES,
-)
+from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import LOGICAL_LOC_STATE_BYTES
+from tiny_server_proc import TinyServer
 
 LAYERS = 2  # the tiny model (test/srt/kv_offload/fixtures/tiny-deepseek-v32/config.json)
 INDEX_ROW = 132  # fp8 index key (128) + fp32 scale, per token and layer

@@ -18,7 +18,7 @@ run by ``make build``; put on ``LD_LIBRARY_PATH`` here), ``MC_FORCE_TCP=1`` (sgl
 engine with protocol "rdma"; Mooncake's TCP transport replaces it) and ``SGLANG_HOST_IP=127.0.0.1``
 (the engine's address: loopback instead of the first NIC's). Mooncake picks its own RPC/TCP ports;
 ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` keep them in a range the harness never hands out
-(``_real_server.MOONCAKE_RPC_PORTS``). Nothing else: SGLang's PD path runs on CPU unchanged.
+(``tiny_server_proc.MOONCAKE_RPC_PORTS``). Nothing else: SGLang's PD path runs on CPU unchanged.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "test" / "srt" / "kv_offload"))
-import tiny_server  # noqa: E402
-from _real_server import (  # noqa: E402
+import tiny_server
+from tiny_server_proc import (
     MOONCAKE_RPC_PORTS,
     START_TIMEOUT_S,
     TinyServer,

@@ -50,6 +50,14 @@ TINY_DEFAULTS = [
     "--mem-fraction-static", "0.5",
 ]  # fmt: skip
 RADIX_FLAG = "--tiny-radix-cache"  # keep upstream's default radix cache on
+# The KV formats of the real-server suites and the soak. fp8 is what every recipe of
+# docs/kv_offload.md runs (its flags as written: 656 B rows of 512 e4m3 values, 4 fp32 scales and 64
+# bf16 rope values, read by FlashMLA's sparse kernel, which upstream then also picks for prefill)
+# and the suites' default; bf16 (1152 B rows) where a test is about bf16.
+FP8_KV = ["--kv-cache-dtype", "fp8_e4m3", "--dsa-decode-backend", "flashmla_kv"]
+BF16_KV = ["--kv-cache-dtype", "bfloat16", "--dsa-decode-backend", "flashmla_sparse"]
+FP8_ROW = 656
+BF16_ROW = 1152
 CPU_DEFAULTS = [
     "--device", "cpu",
     "--max-total-tokens", "16384",

@@ -77,7 +77,7 @@ from bench_serving_dsa import (  # noqa: E402
     wait_started,
 )
 from soak import git_commit, idle_problems  # noqa: E402
-from tiny_server_gpu import Server, http  # noqa: E402
+from tiny_server_proc import BenchServer, http  # noqa: E402
 
 FIRST_TOKEN, LAST_TOKEN = 2, 500  # random prompt ids: past <s>/</s>, inside the tiny tokenizer
 STREAM_BUFSIZE = 16 * 1024**2  # one streamed chunk carries every output id so far
@@ -456,7 +456,7 @@ def counters_after(url: str, before: Dict[str, float], summary: Dict[str, Any]) 
     return {"client": want, "server": got, "equal": got == want}
 
 
-def run_point(server: Server, w: Workload, sessions: int, in_flight: int) -> Dict[str, Any]:
+def run_point(server: BenchServer, w: Workload, sessions: int, in_flight: int) -> Dict[str, Any]:
     """One point: the cache flushed, ``sessions`` sessions, then the server's view of them."""
     url = server.url
     start = flush(url)
@@ -476,7 +476,9 @@ def run_point(server: Server, w: Workload, sessions: int, in_flight: int) -> Dic
     return point
 
 
-def run_overflow(server: Server, w: Workload, context_length: int, session: int) -> Dict[str, Any]:
+def run_overflow(
+    server: BenchServer, w: Workload, context_length: int, session: int
+) -> Dict[str, Any]:
     """A session whose tool results (half the context each) outgrow the context length: the turn
     that does is refused with upstream's error; the pages of the turns before stay cached until the
     flush (checked by the caller)."""

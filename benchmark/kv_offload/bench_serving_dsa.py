@@ -54,7 +54,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
-from tiny_server_gpu import Server, http, machine_info, parse_log, server_state  # noqa: E402
+from tiny_server_gpu import machine_info, parse_log, server_state  # noqa: E402
+from tiny_server_proc import BenchServer as Server  # noqa: E402
+from tiny_server_proc import http  # noqa: E402
 
 logger = logging.getLogger("bench_serving_dsa")
 

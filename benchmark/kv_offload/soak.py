@@ -43,18 +43,19 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import psutil
 import requests
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(ROOT / "scripts"), str(ROOT / "test" / "srt" / "kv_offload")]
+sys.path[:0] = [str(HERE), str(ROOT / "scripts")]
 import tiny_server  # noqa: E402
-from _real_server import FP8_KV, FP8_ROW, TinyServer, wait_until  # noqa: E402
 from bench_common import results_json  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
+from tiny_server import FP8_KV, FP8_ROW  # noqa: E402
+from tiny_server_proc import TinyServer, wait_until  # noqa: E402
 
 logger = logging.getLogger("soak")
 
@@ -506,12 +507,12 @@ class Traffic:
 
 # ---------------------------------------------------------------------- faults
 def prefill_batches(pair: PDPair) -> int:
-    return pair.prefill.log().count("Prefill batch")
+    return pair.prefill.log_text().count("Prefill batch")
 
 
 def prefill_drops(pair: PDPair) -> int:
     """How many times the decode server has dropped a prefill server (its heartbeat)."""
-    return len(LOST_PREFILL.findall(pair.decode.log()))
+    return len(LOST_PREFILL.findall(pair.decode.log_text()))
 
 
 def long_prompt_in_flight(target: PDTarget, seed: int) -> Tuple[threading.Thread, Dict]:

@@ -47,18 +47,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -68,6 +64,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
+from tiny_server_proc import BenchServer, http  # noqa: E402
 
 VOCAB = 1024  # the tiny model's vocab (fixtures/tiny-deepseek-v32/config.json)
 FIRST_TOKEN = 2  # skip <s>/</s> (ids 0 and 1)
@@ -109,111 +106,6 @@ def make_requests(num: int, max_ctx: int, seed: int) -> List[List[int]]:
     return [
         [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(n)] for n in context_lengths(num, max_ctx)
     ]
-
-
-# ------------------------------------------------------------------------------------------------
-# server
-# ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 600.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        text = resp.read().decode()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-class Server:
-    """``scripts/tiny_server.py`` in its own process group, log to a file."""
-
-    def __init__(
-        self,
-        args: List[str],
-        log_path: Path,
-        env_extra: Optional[Dict[str, str]] = None,
-        kernels: Optional[str] = None,
-    ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd, env = tiny_server.build_command(["--port", str(self.port)] + args, kernels=kernels)
-        env["PYTHONUNBUFFERED"] = "1"
-        # Each stand-in logs its first call ("[standin] pid N first call: NAME"): parse_log reports
-        # which ran, so a production-kernel run shows the sgl_kernel ones that remain.
-        env["KV_OFFLOAD_STANDINS_TRACE"] = "1"
-        env.update(env_extra or {})
-        self.cmd = cmd
-        self._log = open(log_path, "w")
-        self._log.write("[tiny_server_gpu] " + " ".join(cmd) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} while starting")
-            try:
-                http("GET", self.url + "/health", timeout=5)
-                return time.time() - t0
-            except (urllib.error.URLError, ConnectionError, OSError, TimeoutError):
-                time.sleep(1.0)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s")
-
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (the group of the process started here), then
-        wait until every process of that group is gone (SIGKILL after 30 s), so that nothing of
-        this server is left when the next one starts."""
-        if self._group_alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        t0 = time.time()
-        killed = False
-        while time.time() - t0 < 60:
-            self.proc.poll()
-            if not self._group_alive():
-                break
-            if not killed and time.time() - t0 > 30:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                killed = True
-            time.sleep(0.5)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(2)
-        self._log.close()
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
 
 def step_ms_by_batch(lines: List[Dict[str, Any]]) -> Dict[int, Dict[str, float]]:
@@ -302,7 +194,7 @@ def run_server(
     res: Dict[str, Any] = {"name": name, "args": server_args, "env": env_extra or {}, "ok": False}
     log_path = out_dir / f"server_{name}.log"
     t0 = time.time()
-    server = Server(server_args, log_path, env_extra, kernels=kernels)
+    server = BenchServer(server_args, log_path, env_extra, kernels=kernels)
     res["command"] = server.cmd
     try:
         res["startup_s"] = server.wait_ready(max(30.0, min(420.0, deadline - time.time() - 60)))
@@ -389,7 +281,7 @@ def run_server(
 
 
 def run_batched(
-    server: Server, prompts: List[List[int]], sampling: Dict[str, Any], deadline: float
+    server: BenchServer, prompts: List[List[int]], sampling: Dict[str, Any], deadline: float
 ) -> Dict[str, Any]:
     """All ``prompts`` in ONE ``/generate`` call: the scheduler receives them in one message, so two
     servers whose admission decisions agree run the same prefill chunks and the same decode
@@ -418,7 +310,7 @@ def run_batched(
     }
 
 
-def server_state(server: Server, timeout: float = 30.0) -> Optional[Dict[str, Any]]:
+def server_state(server: BenchServer, timeout: float = 30.0) -> Optional[Dict[str, Any]]:
     """``internal_states[0]["kv_offload"]`` of ``GET /get_server_info`` (None when absent) once no
     request is live and no backup is in flight, read between phases: the state is a pure read and
     the scheduler loop completes backups, so counts read as the last request ends may lag one

@@ -23,13 +23,18 @@ except ImportError:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_stubs")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+_STUBS = os.path.join(_HERE, "cpu_stubs")
 _needs_stubs = any(importlib.util.find_spec(p) is None for p in ("sgl_kernel",))
 if _needs_stubs and _STUBS not in sys.path:
     sys.path.insert(0, _STUBS)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (_STUBS, os.environ.get("PYTHONPATH")) if p
     )
+
+# The server harness the suites import (scripts/: tiny_server, tiny_server_proc, tiny_pd).
+sys.path.insert(0, os.path.join(_ROOT, "scripts"))
 
 # Property tests draw the same examples on every run (CI must not go red on a new random draw);
 # HYPOTHESIS_PROFILE=explore draws fresh ones locally.

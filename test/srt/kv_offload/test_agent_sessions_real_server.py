@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import pytest
-from _real_server import TinyServer, started
+from _real_server import started
 from test_spec_real_server import SPEC
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmark" / "kv_offload")]
+sys.path.insert(0, str(ROOT / "benchmark" / "kv_offload"))
 import bench_agent  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
+from tiny_server_proc import TinyServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

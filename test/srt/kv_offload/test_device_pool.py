@@ -3,7 +3,6 @@
 import pytest
 import torch
 from _pools import offload_device_pool
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.sparsity.kv_offload.arena import MIN_UNITS, plan_arena
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
     LOGICAL_LOC_STATE_BYTES,

@@ -69,7 +69,7 @@ class TestAttentionDP:
         assert [len(o) for o in outs] == [self.NEW_TOKENS] * len(self.PROMPTS)
         on.wait_no_leak()
         retracted = re.findall(
-            r"DP(\d) TP\d\] Testing retraction. #retracted_reqs: (\d+)", on.log()
+            r"DP(\d) TP\d\] Testing retraction. #retracted_reqs: (\d+)", on.log_text()
         )
         assert {rank for rank, n in retracted if int(n) > 0} == {"0", "1"}, retracted
         assert all(s["error_flags"] == 0 for s in on.offload_states())

@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from _real_server import BF16_KV, FP8_KV, wait_until  # noqa: E402
-from tiny_pd import PDPair  # noqa: E402
+from tiny_pd import PDPair
+from tiny_server import BF16_KV, FP8_KV
+from tiny_server_proc import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +44,7 @@ def test_kv_cache_dtype_mismatch_is_refused_at_the_first_transfer(tmp_path):
         assert (
             "KV cache dtype mismatch: prefill server has kv_cache_dtype=bfloat16, but decode "
             "server has kv_cache_dtype=fp8_e4m3. Both servers must use the same --kv-cache-dtype"
-        ) in pair.decode.log()
+        ) in pair.decode.log_text()
     finally:
         pair.stop()
 
@@ -57,7 +54,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_leaks_nothing(tmp_pat
     try:
         pair.wait_ready()
         start = pair.decode.offload_state()["initial_free"]
-        chunks_before = pair.prefill.log().count("Prefill batch")
+        chunks_before = pair.prefill.log_text().count("Prefill batch")
         result = {}
         long_prompt = [(7 * i) % 500 + 2 for i in range(1800)]  # 8 chunks of 256
         call = threading.Thread(
@@ -66,7 +63,7 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_leaks_nothing(tmp_pat
         call.start()
         # Two chunks prefilled (and sent page by page as they are computed): kill it mid-way.
         wait_until(
-            lambda: pair.prefill.log().count("Prefill batch") >= chunks_before + 2,
+            lambda: pair.prefill.log_text().count("Prefill batch") >= chunks_before + 2,
             "the prefill server never started the prompt",
         )
         os.killpg(pair.prefill.proc.pid, signal.SIGKILL)
@@ -75,6 +72,6 @@ def test_prefill_killed_mid_transfer_fails_the_request_and_leaks_nothing(tmp_pat
         state = pair.decode.wait_no_leak(timeout=120)
         assert state["free"] == start and state["promised"] == 0
         assert pair.decode.alive()
-        assert "Decode transfer failed" in pair.decode.log()
+        assert "Decode transfer failed" in pair.decode.log_text()
     finally:
         pair.stop()

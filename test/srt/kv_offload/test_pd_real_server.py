@@ -18,17 +18,15 @@ back at their start (``GET /server_info``).
 from __future__ import annotations
 
 import json
-import sys
 import threading
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import requests
-from _real_server import FP8_KV, FP8_ROW, TinyServer, assert_row_bytes, started, wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from tiny_pd import PDPair  # noqa: E402
+from _real_server import assert_row_bytes, started
+from tiny_pd import PDPair
+from tiny_server import FP8_KV, FP8_ROW
+from tiny_server_proc import TinyServer, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -158,14 +156,14 @@ def test_abort_during_transfer(servers, mode):
     _, pairs = servers
     pair = pairs[mode]
     rid = f"abort-transfer-{mode}"
-    chunks_before = pair.prefill.log().count("Prefill batch")
+    chunks_before = pair.prefill.log_text().count("Prefill batch")
     result = {}
     thread = threading.Thread(
         target=lambda: result.update(generate(pair.url, prompt(1000, 21), 8, rid=rid))
     )
     thread.start()
     wait_until(
-        lambda: pair.prefill.log().count("Prefill batch") >= chunks_before + 1,
+        lambda: pair.prefill.log_text().count("Prefill batch") >= chunks_before + 1,
         "the prefill server never started the prompt",
     )
     pair.decode.abort(rid)

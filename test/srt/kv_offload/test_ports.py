@@ -1,4 +1,4 @@
-"""The harness's ports (``_real_server.free_port``): reserved across processes, never guessed.
+"""The harness's ports (``tiny_server_proc.free_port``): reserved across processes, never guessed.
 
 Servers, their NCCL/gloo ports, the PD bootstrap port and the load balancer's all come from
 ``free_port``; a server's port comes with the ports upstream derives from it under attention DP.
@@ -9,9 +9,12 @@ from on its own.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -19,15 +22,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _real_server import (
+from tiny_server_proc import (
     HARNESS_PORTS,
     MOONCAKE_RPC_PORTS,
     SERVER_PORT_OFFSETS,
     free_port,
     release_port,
+    stop_process_group,
 )
 
 HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE.parents[2] / "scripts"
 
 
 def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
@@ -35,7 +40,7 @@ def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
     With ``hold`` it keeps the reservation until its stdin closes."""
     code = textwrap.dedent(f"""
         import sys
-        from _real_server import free_port
+        from tiny_server_proc import free_port
         try:
             print(free_port({list(candidates)!r}), flush=True)
         except RuntimeError as exc:
@@ -45,7 +50,7 @@ def reserve_in_child(candidates, hold: bool = False) -> subprocess.Popen:
         """)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
     }
     return subprocess.Popen(
         [sys.executable, "-c", code],
@@ -162,10 +167,8 @@ def test_the_offsets_cover_every_port_upstream_derives_under_attention_dp():
 def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):
     """Upstream's own pick below the ephemeral range, the kernel's ephemeral range (bind(0), ZMQ's
     random ports) and Mooncake's RPC ports (pinned by tiny_pd.pd_env) never reach ours."""
-    from sglang.srt.utils.network import get_free_port_below_ephemeral
-
-    sys.path.insert(0, str(HERE.parents[2] / "scripts"))
     import tiny_pd
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
 
     defaults = inspect.signature(get_free_port_below_ephemeral).parameters
     upstream = range(defaults["low"].default, defaults["high"].default + 1)
@@ -175,3 +178,34 @@ def test_the_range_is_disjoint_from_every_other_port_picker(monkeypatch):
     monkeypatch.setattr(tiny_pd, "debian_lib_dir", lambda: "/libs")
     env = tiny_pd.pd_env()
     assert range(int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]) + 1) == MOONCAKE_RPC_PORTS
+
+
+def test_a_stopped_servers_ports_are_free_once_its_whole_process_group_is_gone():
+    """A process of the server's group that ignores SIGTERM and outlives the group's leader (as a
+    scheduler subprocess can) still holds a port: ``stop_process_group`` kills it after the grace
+    time and returns only once it is gone, so the port can be handed out again."""
+    port = free_port()
+    release_port(port)  # as the server given it: bound by a process of the group
+    holder = (
+        "import signal, socket, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"s = socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); print(flush=True); "
+        "time.sleep(300)"
+    )
+    leader = subprocess.Popen(
+        ["bash", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(holder)} & read -r _"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        leader.stdout.readline()  # the holder has bound the port
+        leader.stdin.close()  # the leader exits; the holder lives on in its group
+        leader.wait(60)
+        with pytest.raises(RuntimeError, match="no free TCP port"):
+            free_port([port])
+        stop_process_group(leader, grace_s=1)
+        assert free_port([port]) == port
+        release_port(port)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)

@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import pytest
 import requests
-from _real_server import FP8_KV, TinyServer, started, wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from tiny_pd import PDPair  # noqa: E402
+from _real_server import started
+from tiny_pd import PDPair
+from tiny_server import FP8_KV
+from tiny_server_proc import TinyServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -37,15 +37,9 @@ from typing import Iterator, List
 import psutil
 import pytest
 import requests
-from _real_server import (
-    BF16_KV,
-    BF16_ROW,
-    FP8_KV,
-    FP8_ROW,
-    TinyServer,
-    assert_row_bytes,
-    started,
-)
+from _real_server import assert_row_bytes, started
+from tiny_server import BF16_KV, BF16_ROW, FP8_KV, FP8_ROW
+from tiny_server_proc import TinyServer
 
 pytestmark = pytest.mark.slow
 
@@ -196,7 +190,7 @@ def forced_eviction_and_reload(off: TinyServer, on: TinyServer, row_bytes: int) 
     assert_row_bytes(after, row_bytes)
     # Most of each step's top-k came from the host, not from a resident slot or the GPU tail.
     assert loaded > 0.3 * selected, (loaded, selected)
-    assert "#new-token: 256" in on.log()  # chunked prefill ran
+    assert "#new-token: 256" in on.log_text()  # chunked prefill ran
 
 
 def test_forced_eviction_and_reload(main_pair):
@@ -208,7 +202,7 @@ def test_forced_eviction_and_reload(main_pair):
     assert on.server_info()["max_total_num_tokens"] == budget
     # Both twins wrote and read the fp8 pool through FlashMLA's kernel, prefill included.
     for server in main_pair:
-        assert "prefill=flashmla_kv, decode=flashmla_kv" in server.log()
+        assert "prefill=flashmla_kv, decode=flashmla_kv" in server.log_text()
 
 
 def test_streaming_response(main_pair):
@@ -261,7 +255,7 @@ def test_status_line_every_interval(main_pair):
     decode steps, counting what ``/server_info`` counts."""
     _, on = main_pair
     steps = on.offload_state()["decode_steps"]
-    logged = [int(n) for n in re.findall(r"kv_offload: step (\d+), ", on.log())]
+    logged = [int(n) for n in re.findall(r"kv_offload: step (\d+), ", on.log_text())]
     assert steps >= STATUS_INTERVAL, steps
     assert logged == list(range(STATUS_INTERVAL, steps + 1, STATUS_INTERVAL))
 
@@ -460,7 +454,8 @@ class TestSingleServers:
     def test_overlap_scheduler_off(self, main_pair, singles):
         """(f) the same with --disable-overlap-schedule (the other tests run with it on)."""
         off, _ = main_pair
-        server = singles["no_overlap"].wait_ready()
+        server = singles["no_overlap"]
+        server.wait_ready()
         prompts = [prompt(n, 400 + n) for n in (300, 700)]
         assert_same_batch(off, server, prompts, 24)
         server.wait_no_leak()
@@ -469,7 +464,8 @@ class TestSingleServers:
         """The comparison can fail: with every row loaded from the host taken from the wrong host
         slot (test-only fault injection), the tokens differ."""
         off, _ = main_pair
-        server = singles["corrupt"].wait_ready()
+        server = singles["corrupt"]
+        server.wait_ready()
         ids = prompt(800, 500)
         ref, out = (tokens(o) for o in both(off, server, [ids], 24))
         assert server.offload_state()["loaded"] > 0
@@ -480,7 +476,7 @@ class TestSingleServers:
         naming the largest value that fits."""
         server = singles["cannot_fit"]
         assert server.proc.wait(300) != 0
-        log = server.log()
+        log = server.log_text()
         assert "sparse_slots_per_req=8192 does not fit this GPU budget" in log
         most = int(re.search(r"Use at most (\d+)", log).group(1))
         assert 0 < most < 8192 and most % PAGE == 0
@@ -489,7 +485,8 @@ class TestSingleServers:
         """The token budget (index keys) admits a prompt the arena cannot stage in GPU rows: it
         ends at once with an error naming the limit instead of waiting for ever; the server
         serves on and nothing leaks."""
-        server = singles["long_context"].wait_ready()
+        server = singles["long_context"]
+        server.wait_ready()
         assert server.server_info()["max_total_num_tokens"] > 4000
         out = server.generate(prompt(3500, 800), 8)
         assert "needs more GPU KV rows at once than the whole GPU budget holds" in json.dumps(out)

@@ -24,7 +24,9 @@ import random
 from typing import List
 
 import pytest
-from _real_server import FP8_KV, TinyServer, started
+from _real_server import started
+from tiny_server import FP8_KV
+from tiny_server_proc import TinyServer
 
 pytestmark = pytest.mark.slow
 
