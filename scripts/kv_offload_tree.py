@@ -49,6 +49,8 @@ UV_VERSION = "0.13.9"
 # imports it; CUDA builds, which run on the CPU), and triton. Their versions are the pins of
 # scripts/env/constraints-cpu.txt.
 SYSTEM_PIP_PACKAGES = ("torch", "torchvision", "triton")
+# Free disk a new venv needs: it takes 6.2 GB (torch's CUDA build), and pip unpacks beside it.
+VENV_FREE_GB = 9
 GIT_ID = ["-c", "user.name=kv_offload", "-c", "user.email=kv_offload@localhost"]
 PATCH_TRAILER = "Patch-File:"
 
@@ -454,6 +456,17 @@ def constraint_pins(constraints: Path, names: Sequence[str]) -> List[str]:
     return [pins[n] for n in names]
 
 
+def check_free_disk(path: Path, need_gb: float) -> None:
+    """Fail before installing when the disk under ``path`` has less than ``need_gb`` GB free."""
+    path.mkdir(parents=True, exist_ok=True)
+    free_gb = shutil.disk_usage(path).free / 1e9
+    if free_gb < need_gb:
+        raise TreeError(
+            f"{path} has {free_gb:.1f} GB free; the venv needs about {need_gb} GB. "
+            "Free disk space there (old venvs, worktrees) or pass --venv on another disk."
+        )
+
+
 def ensure_venv(venv: Path) -> None:
     reqs = ENV_DIR / "requirements-cpu.txt"
     cons = ENV_DIR / "constraints-cpu.txt"
@@ -469,6 +482,7 @@ def ensure_venv(venv: Path) -> None:
     log(f"creating venv {venv}")
     if venv.exists():
         shutil.rmtree(venv)
+    check_free_disk(venv.parent, VENV_FREE_GB)
     env = uv_env()
     run([uv, "venv", "-q", "-p", "python3.11", venv], env=env)
     # The system pip installs torch from this machine's disk (its config points there); uv then

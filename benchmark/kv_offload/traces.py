@@ -18,16 +18,14 @@ rest. ``rho`` (per layer, spread around the value that gives ``churn``) sets how
 drifts: a position near the threshold crosses it back and forth, which is what makes a cache of
 recent selections useful. ``share`` sets how much adjacent layers agree. :func:`measure` reports what
 a trace actually has (churn per layer, adjacent-layer overlap, returns), so results are quoted with
-the measured figures, not the knobs. :func:`add_sweep_arguments` and :func:`sweep` give the CPU
-simulations one command line for a share x churn grid of these traces.
+the measured figures, not the knobs.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Dict, List, Tuple, Union
 
 import torch
 
@@ -53,34 +51,6 @@ class TraceConfig:
         """A workload of ``topk`` entries whose local window keeps at most the default's share of
         them (128 of DeepSeek-V3.2's 2048: a sixteenth), so small smoke-run top-k stay drifting."""
         return cls(topk=topk, window=min(cls.window, topk // 16), **fields)
-
-
-def add_sweep_arguments(parser: argparse.ArgumentParser, steps: int, shares: str) -> None:
-    """The trace options of a simulation over a share x churn grid (read by :func:`sweep`)."""
-    parser.add_argument("--batch", type=int, default=2, help="requests (rows per layer)")
-    parser.add_argument("--ctx", type=int, default=32768)
-    parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--share", default=shares, help="adjacent-layer relevance correlations")
-    parser.add_argument("--churn", default="0.2,0.4,0.6", help="mean top-k churn per step")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def sweep(a: argparse.Namespace) -> Iterator[Tuple[float, float, TraceConfig]]:
-    """``(share, churn, config)`` for each point of :func:`add_sweep_arguments`' grid."""
-    for share in (float(x) for x in a.share.split(",")):
-        for churn in (float(x) for x in a.churn.split(",")):
-            yield share, churn, TraceConfig.for_topk(
-                a.topk,
-                batch=a.batch,
-                context=a.ctx,
-                layers=a.layers,
-                steps=a.steps,
-                churn=churn,
-                share=share,
-                seed=a.seed,
-            )
 
 
 def _rho_for_churn(churn: float, free: int, pool: int, seed: int) -> float:

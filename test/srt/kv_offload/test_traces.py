@@ -51,29 +51,6 @@ def test_uniform_churn_for_contrast_has_no_layer_agreement():
     assert traces.measure(traces.generate(cfg))["adjacent_layer_overlap"] < 0.5
 
 
-@pytest.mark.parametrize("kind", ["uniform", "realistic"])
-def test_bench_decode_scale_layer_traces(kind):
-    import argparse
-
-    import bench_decode_scale
-
-    a = argparse.Namespace(trace=kind, topk=256, steps=4, churn=0.4, seed=0)
-    per_layer, info = bench_decode_scale.layer_traces(2, 4096, 3, a, device="cpu")
-    assert info["kind"] == kind and len(per_layer) == 3
-    for steps in per_layer:
-        assert len(steps) == 4
-        for topk in steps:
-            assert topk.shape == (2, 256) and topk.dtype == torch.int32
-            assert int(topk.min()) >= 0 and int(topk.max()) < 4096
-            assert all(len(set(row.tolist())) == 256 for row in topk)
-    layer0, layer1 = (set(per_layer[i][1][0].tolist()) for i in (0, 1))
-    if kind == "realistic":  # adjacent layers share most of their top-k, and it says so
-        assert len(layer0 & layer1) / 256 > 0.6 and info["adjacent_layer_overlap"] > 0.6
-        assert info["returns"] > 0 and info["churn_per_layer_max"] > 0
-    else:  # independent per layer
-        assert len(layer0 & layer1) / 256 < 0.3
-
-
 def test_bench_lru_runs_on_realistic_traces(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [

@@ -209,3 +209,12 @@ def test_system_pip_pins_come_from_the_constraints_file(tool, tmp_path):
     cons.write_text("torch==1.2.3\n")
     with pytest.raises(tool.TreeError, match="pins no version for torchvision, triton"):
         tool.constraint_pins(cons, ("torch", "torchvision", "triton"))
+
+
+def test_a_new_venv_refuses_a_full_disk_before_installing(tool, tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    tool.check_free_disk(tmp_path / "venv-parent", usage.free / 1e9 / 2)  # enough: no error
+    full = usage._replace(free=int(2.5e9))
+    monkeypatch.setattr(tool.shutil, "disk_usage", lambda path: full)
+    with pytest.raises(tool.TreeError, match=r"has 2\.5 GB free; the venv needs about 9 GB"):
+        tool.check_free_disk(tmp_path, tool.VENV_FREE_GB)

@@ -114,7 +114,7 @@ class RowView:
 
 @dataclass(frozen=True)
 class CopyLaunchConfig:
-    """Launch shape of the row-copy kernel (sweep these with benchmark/kv_offload/bench_host_tier.py).
+    """Launch shape of the row-copy kernel (the journal's "Host tier" gives the sweep that chose it).
 
     num_programs: fixed grid size; programs stride over tiles, so it does not depend on the data.
     rows_per_program: rows per tile (one 2D load of ``rows x row`` per loop iteration).
