@@ -14,13 +14,12 @@ from collections import Counter
 from typing import Callable, Dict, List, Optional
 
 import torch
-from lru_ref import check_invariants
+from lru_ref import check_invariants, lookup_slots
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanResult
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
     PAGE_SIZE,
     SparseCacheState,
-    lookup_slots,
 )
 
 D = 3  # int64 words per fake KV row

@@ -41,12 +41,37 @@ from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (  # noqa: F401
     PlanResult,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
+    HINT_HASHES,
     HINT_WAYS,
     LayerState,
     SparseCacheState,
-    hint_candidates,
-    lookup_slots,
 )
+
+HINT_CANDIDATES = HINT_WAYS * len(HINT_HASHES)
+"""Entries a loc may sit in: the first bucket's ways, then the second's."""
+
+
+def hint_candidates(locs: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``(*locs.shape, HINT_CANDIDATES)`` int64 hint entries where each loc may sit (any loc value,
+    including -1, maps to entries below ``num_buckets * HINT_WAYS``)."""
+    x = locs.long()
+    ways = torch.arange(HINT_WAYS, device=x.device)
+    cands = []
+    for m in HINT_HASHES:
+        bucket = (((x * m) & 0xFFFFFFFF) * num_buckets) >> 32
+        cands.append(bucket[..., None] * HINT_WAYS + ways)
+    return torch.cat(cands, dim=-1)
+
+
+def lookup_slots(state: LayerState, req_pool_idx: int, locs: torch.Tensor) -> torch.Tensor:
+    """The slot of request ``req_pool_idx`` that holds each of ``locs`` by its hint table, or -1
+    (also for a loc of -1): what the plan kernel counts as a hit. int64, eager."""
+    hint, slot_loc = state.hint[int(req_pool_idx)], state.slot_loc[int(req_pool_idx)]
+    x = locs.to(device=hint.device, dtype=torch.int64)
+    e = hint[hint_candidates(x, hint.numel() // HINT_WAYS)].long()
+    held = slot_loc[e.clamp(min=0)].long()
+    match = (x[..., None] >= 0) & (e >= 0) & (held == x[..., None])
+    return torch.where(match, e, -1).amax(dim=-1)
 
 
 def _unique_first_occurrence(x: torch.Tensor):

@@ -10,7 +10,7 @@ import torch
 from _pools import offload_device_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lru_ref import check_invariants
+from lru_ref import check_invariants, lookup_slots
 from sglang.srt.layers.attention.dsa_offload.adapter import DSAOffloadAdapter
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.sparsity.kv_offload.controller import KVOffloadCacheController
@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES
-from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState, lookup_slots
+from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 P = 64
 LAYERS = 2

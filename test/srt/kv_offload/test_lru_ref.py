@@ -13,14 +13,14 @@ from lru_ref import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
     check_invariants,
+    hint_candidates,
+    lookup_slots,
     plan_layer_ref,
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import (
     HINT_ENTRIES_PER_SLOT,
     HINT_WAYS,
     LayerState,
-    hint_candidates,
-    lookup_slots,
 )
 
 SETTINGS = settings(

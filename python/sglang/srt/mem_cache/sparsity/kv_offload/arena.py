@@ -358,7 +358,6 @@ class UnitArena:
         into free pages of the units kept; returns how many were freed (a device read, and a copy
         of the moved rows in every layer, ordered after the forward in flight)."""
         layout = self.layout
-        page = layout.page_size
         units = np.arange(layout.num_units)
         movable = units[(self.owner == PHYSICAL) & (self.pinned[: layout.num_units] == 0)]
         movable = movable[movable > 0][::-1]

@@ -344,10 +344,6 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         used = self.arena.used_pages(PHYSICAL)
         return self.arena.logical_pages_obtainable(used + owed) * page
 
-    def logical_available_size(self) -> int:
-        """Logical locs not in use, of the most the arena holds (what leak checks compare)."""
-        return self.free_counts()["logical"]
-
     def physical_available_size(self) -> int:
         """Physical rows not in use, of the most the arena holds (what leak checks compare; what
         the physical side can take now is :meth:`fits`'s question)."""

@@ -64,7 +64,7 @@ STAT_TAIL = tl.constexpr(2)  # read in place from a GPU tail row
 STAT_LOADED = tl.constexpr(3)  # loaded host -> device
 STAT_NAMES = ("selected", "hits", "tail", "loaded")
 
-# The hint table's layout (sparse_cache.hint_candidates). The kernel reads a bucket as one 8-byte
+# The hint table's layout (sparse_cache's docstring). The kernel reads a bucket as one 8-byte
 # word: way w is bits [16w, 16w + 16), 0xFFFF (-1) when empty.
 HINT_HASH_A = tl.constexpr(sparse_cache.HINT_HASHES[0])
 HINT_HASH_B = tl.constexpr(sparse_cache.HINT_HASHES[1])
@@ -77,7 +77,7 @@ LOWEST_BIT4 = tl.constexpr(0x12131210)
 
 @triton.jit
 def _hint_buckets(t64, num_buckets):
-    """The two buckets (int32) loc ``t64`` may sit in (``sparse_cache.hint_candidates``)."""
+    """The two buckets (int32) loc ``t64`` may sit in, one per multiplier of ``HINT_HASHES``."""
     h1 = (t64 * HINT_HASH_A).to(tl.uint32).to(tl.int64)
     h2 = (t64 * HINT_HASH_B).to(tl.uint32).to(tl.int64)
     return ((h1 * num_buckets) >> 32).to(tl.int32), ((h2 * num_buckets) >> 32).to(tl.int32)

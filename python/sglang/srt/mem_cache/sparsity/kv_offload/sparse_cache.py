@@ -11,8 +11,8 @@ Per layer ``l`` the state is
   first. The plan kernel keeps it dense, so no per-step pass compacts or reorders it;
 * ``hint[l, r, :]`` (int16): the request's own hashed table from loc to slot:
   ``HINT_ENTRIES_PER_SLOT`` entries per slot of
-  ``max_slots``, in buckets of ``HINT_WAYS``. A loc may sit in any way of two buckets
-  (:func:`hint_candidates`); an entry holds a slot or -1.
+  ``max_slots``, in buckets of ``HINT_WAYS``. A loc may sit in any way of two buckets, one per
+  multiplier of ``HINT_HASHES``; an entry holds a slot or -1.
 
 A loc ``x`` is a hit of request ``r`` iff some candidate entry of ``x`` in ``hint[l, r]`` names a slot
 ``s`` with ``slot_loc[l, r, s] == x``. The table is only ever read and written by request ``r``'s own
@@ -41,22 +41,8 @@ HINT_WAYS = 4
 HINT_HASHES = (0x5BD1E995, 0x27D4EB2F)
 """Odd multipliers below 2**31, one per bucket a loc may sit in: the bucket is the top bits of
 ``(loc * m) mod 2**32`` scaled to the bucket count (``lru_kernels`` does the same arithmetic)."""
-HINT_CANDIDATES = HINT_WAYS * len(HINT_HASHES)
-"""Entries a loc may sit in: the first bucket's ways, then the second's."""
 HINT_ENTRIES_PER_SLOT = 2
 """Hint entries per slot of ``max_slots``: at most half of them are in use."""
-
-
-def hint_candidates(locs: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """``(*locs.shape, HINT_CANDIDATES)`` int64 hint entries where each loc may sit (any loc value,
-    including -1, maps to entries below ``num_buckets * HINT_WAYS``)."""
-    x = locs.long()
-    ways = torch.arange(HINT_WAYS, device=x.device)
-    cands = []
-    for m in HINT_HASHES:
-        bucket = (((x * m) & 0xFFFFFFFF) * num_buckets) >> 32
-        cands.append(bucket[..., None] * HINT_WAYS + ways)
-    return torch.cat(cands, dim=-1)
 
 
 class SlotAllocator(Protocol):
@@ -79,17 +65,6 @@ class LayerState(NamedTuple):
     lru: torch.Tensor  # (R, S_max) int16
     out_cache_loc_sparse: torch.Tensor  # (R, S_max) int32, shared by all layers
     num_slots: torch.Tensor  # (R,) int32, shared by all layers
-
-
-def lookup_slots(state: LayerState, req_pool_idx: int, locs: torch.Tensor) -> torch.Tensor:
-    """The slot of request ``req_pool_idx`` that holds each of ``locs`` by its hint table, or -1
-    (also for a loc of -1): what the plan kernel counts as a hit. int64, eager."""
-    hint, slot_loc = state.hint[int(req_pool_idx)], state.slot_loc[int(req_pool_idx)]
-    x = locs.to(device=hint.device, dtype=torch.int64)
-    e = hint[hint_candidates(x, hint.numel() // HINT_WAYS)].long()
-    held = slot_loc[e.clamp(min=0)].long()
-    match = (x[..., None] >= 0) & (e >= 0) & (held == x[..., None])
-    return torch.where(match, e, -1).amax(dim=-1)
 
 
 def _round_up(x: int, m: int) -> int:
