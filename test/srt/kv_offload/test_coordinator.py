@@ -637,8 +637,11 @@ def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(devi
     assert h.admit(250)
     h.coord.admit = real_admit
     (r,) = h.kv
-    assert h.coord.requests[r].has_slots, "slots taken from its own backed-up pages"
-    assert h.coord.stats["forced_backups"] == 1
+    req = h.coord.requests[r]
+    assert not req.has_slots and req.slots_from_backup, "its own prompt pages pay for its slots"
+    assert h.coord.stats["slots_from_own_rows"] == 1
+    assert h.coord.poll() >= 1  # the backup completes and frees its rows: the slots are granted
+    assert req.has_slots and not req.slots_from_backup and req.fail_reason is None
     locs = h.r2t.req_to_token[r, :192].long()
     assert bool((h.alloc.loc_to_host[locs] >= 0).all())
     draw = _seeded_draw(3)
@@ -793,10 +796,14 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
         gate.prepare_extend(_batch([_prompt(n, r, max_new=80)]))
         return r
 
+    # A sparse prompt's staged rows count toward its promise: their backup pays for its slots,
+    # so while staged it holds the more of them and its first decode page, or its promise.
+    assert h.coord.promise_rows(128 + 80, staged_rows=128) == promise
+    assert h.coord.promise_rows(128 + 80, staged_rows=4 * P) == 5 * P
     a = stage(128)
-    assert h.coord.owed_rows() == promise
-    # Room for exactly one more staged prompt and both promises.
-    h.squeeze_physical(2 * (128 + promise) - 128, owed=True)
+    assert h.coord.owed_rows() == promise - 128
+    # Room for exactly one more staged prompt with its promise, and two pages.
+    h.squeeze_physical(promise + 2 * P, owed=True)
     assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
     b = stage(128)
     assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
@@ -805,16 +812,15 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     # A short request that stays resident needs only its context's page, which is still there.
     assert gate.can_stage_prefill(_prompt(48, max_new=16), [])
     assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
-    # Their first decode step admits them (promised, slots granted, backups started); once the
-    # backups complete their staged rows are free again and the prompt fits.
+    # Their first decode step admits them (promised, slots granted from the room their promises
+    # kept, backups started). Their backups free the staged rows, which their promises keep for
+    # their tail pages: no room beyond the promises opens, so nothing is retried.
     for r in (a, b):
         h.coord.admit(r, 128)
         assert not h.coord.requests[r].resident and h.coord.requests[r].has_slots
     h.coord.drain()
-    # Rows freed since the refusal: the scheduler retries its waiting prompts once (upstream
-    # would retry only when a request finishes).
-    assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
-    assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
+    assert not gate.on_scheduler_iteration()
+    assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
     # An admitted request owes its promise less its slots and its tail rows: a decode token that
     # opens a page past its backed-up prompt is a tail row it holds toward its promise.
     slots = sum(int(h.sparse.num_slots_cpu[r]) for r in (a, b))
@@ -822,6 +828,11 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     h.coord.requests[a].seq_len += 1
     assert h.coord.owed_rows() == 2 * promise - slots - P
     h.coord.requests[a].seq_len -= 1
+    # A request that ends frees its rows and its promise: the scheduler retries its waiting
+    # prompts once (upstream would retry only when a request finishes) and the prompt fits.
+    h.retire(a)
+    assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
+    assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
     h.finish_all()
 
 

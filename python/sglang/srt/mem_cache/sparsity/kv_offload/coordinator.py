@@ -68,6 +68,8 @@ class OffloadedRequest:
     written_len: int  # positions whose KV rows are written; only these may be backed up
     backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
     has_slots: bool = False
+    # Pays for its slots with its own prompt rows: granted when their backup frees them (poll).
+    slots_from_backup: bool = False
     # Kept on the GPU whole: its context takes no more rows than its sparse slots and tail pages.
     resident: bool = False
     # Radix cache: the prompt pages this request must back up (whole pages of logical locs, on the
@@ -180,7 +182,7 @@ class KVOffloadCoordinator:
             "released": 0,
             "backup_tokens": 0,
             "deferred_backups": 0,
-            "forced_backups": 0,
+            "slots_from_own_rows": 0,
             "prefill_waits": 0,
             "shared_prefix_tokens": 0,
             "release_drains": 0,
@@ -201,56 +203,64 @@ class KVOffloadCoordinator:
             self.lookahead,
         )
 
-    def promise_rows(self, final_len: int) -> int:
-        """Physical rows a request that may reach ``final_len`` positions may come to hold: its
-        whole context if resident, else its most sparse slots and its tail pages."""
+    def promise_rows(self, final_len: int, staged_rows: int = 0) -> int:
+        """Physical rows a request that may reach ``final_len`` positions may come to hold at
+        once: its whole context if resident; else its most sparse slots and its tail pages or,
+        while ``staged_rows`` of its prompt sit in GPU rows, those rows and the page of its first
+        decode token, whichever is more (the backup of those rows pays for its slots: see
+        :meth:`_grant_slots`)."""
         page = self.page_size
         if self.resident_len(final_len):
             return -(-(final_len + self.lookahead) // page) * page
-        return self._sparse_rows
+        return max(self._sparse_rows, staged_rows + page + self.lookahead)
 
-    def _held_rows(self, r: int, final_len: int, staged_len: int) -> int:
-        """Rows request ``r`` holds toward its promise: its context rows if resident; once it has
-        sparse slots, its slots and the tail rows of positions no backup has started for (rows
-        whose backup is in flight, and the rows of a request still waiting for slots, are not
-        subtracted: conservative)."""
+    def _held_rows(self, r: int, staged_len: int) -> int:
+        """Rows request ``r`` holds toward its promise: its staged prompt rows before admission;
+        its context rows if resident; once it has sparse slots, its slots and the tail rows of
+        positions no backup has started for; before that, those tail rows and its claimed prompt
+        pages (rows whose backup is in flight are not subtracted: conservative)."""
         page = self.page_size
         req = self.requests.get(r)
         if req is None:
-            return -(-staged_len // page) * page if self.resident_len(final_len) else 0
+            return -(-staged_len // page) * page
         if req.resident:
             return -(-req.seq_len // page) * page
-        if not req.has_slots:
-            return 0
         tail = max(0, -(-req.seq_len // page) * page - req.backed_up_end)
-        return int(self.sparse_cache.num_slots_cpu[r]) + tail
+        if req.has_slots:
+            return int(self.sparse_cache.num_slots_cpu[r]) + tail
+        return tail + (req.own_pages.numel() if req.own_pages is not None else 0)
+
+    def _owed(self, r: int) -> int:
+        """Physical rows request ``r`` is promised and does not hold yet."""
+        final, staged = self.reservations.get(r, (0, 0))
+        staged_rows = -(-staged // self.page_size) * self.page_size
+        return max(0, self.promise_rows(final, staged_rows) - self._held_rows(r, staged))
 
     def owed_rows(self) -> int:
         """Physical rows live requests are promised and do not hold yet (no device read)."""
-        return sum(
-            max(0, self.promise_rows(final) - self._held_rows(r, final, staged))
-            for r, (final, staged) in self.reservations.items()
-        )
+        return sum(self._owed(r) for r in self.reservations)
 
     def can_stage(self, prompts: Sequence[Tuple[int, int, int]]) -> bool:
         """Whether new requests fit beside the live ones: ``prompts`` are ``(staging rows, logical
         locs, final length)`` each, the rows its prompt stages on the GPU (0 when it arrives on the
         host), the logical locs it takes and the length it may reach."""
-        page = self.page_size
         rows = logical = 0
         for staging, locs, final in prompts:
-            held = -(-staging // page) * page if self.resident_len(final) else 0
-            rows += staging + max(0, self.promise_rows(final) - held)
+            rows += self._stage_rows(staging, final)
             logical += locs
         return self.allocator.fits(rows, logical)
 
     def can_ever_stage(self, staging: int, locs: int, final_len: int) -> bool:
         """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
         page = self.page_size
-        held = -(-staging // page) * page if self.resident_len(final_len) else 0
-        rows = staging + max(0, self.promise_rows(final_len) - held)
+        rows = self._stage_rows(staging, final_len)
         layout = self.allocator.arena.layout
         return layout.holds(-(-rows // page), -(-locs // page))
+
+    def _stage_rows(self, staging: int, final_len: int) -> int:
+        """Rows a new prompt takes at most: ``staging`` rows, or its promise if more."""
+        staged_rows = -(-staging // self.page_size) * self.page_size
+        return staging + max(0, self.promise_rows(final_len, staged_rows) - staged_rows)
 
     def reserve(self, req_pool_idx: int, final_len: int, staged_len: int = 0) -> None:
         """Promise a request its rows (staged for a prefill or pre-allocated for a PD transfer,
@@ -296,10 +306,12 @@ class KVOffloadCoordinator:
         self.stats["admitted"] += 1
         self.stats["resident"] += req.resident
         self._grant_slots(req)
+        self._start_backups([req])
+        if on_host_only and req.slots_from_backup:
+            self._drain()  # its first step has misses: its slots cannot wait for the backup
         if on_host_only and not req.has_slots:
             # Its cached prefix is on the host only: without slots no miss could be placed.
             req.fail_reason = self._no_slots_reason(req)
-        self._start_backups([req])
 
     def _claim_prompt_pages(self, req: OffloadedRequest, end: Optional[int] = None) -> bool:
         """Radix cache: split the written prompt pages (those before ``end``, default all) into
@@ -450,9 +462,10 @@ class KVOffloadCoordinator:
             f"({sum(not r.has_slots and not r.resident for r in self.requests.values())} "
             "waiting for slots), "
             f"{sum(r.resident for r in self.requests.values())} resident, "
-            f"{len(self.reservations)} promised, {self.owed_rows()} rows owed; free logical {free['logical']}, physical {free['physical']}, host "
-            f"{free.get('host', 0)}; backed up {st['backup_tokens']} tokens "
-            f"({st['deferred_backups']} deferred, {st['forced_backups']} forced), admitted "
+            f"{len(self.reservations)} promised, {self.owed_rows()} rows owed; free logical "
+            f"{free['logical']}, physical {free['physical']}, host {free.get('host', 0)}; backed "
+            f"up {st['backup_tokens']} tokens ({st['deferred_backups']} deferred), "
+            f"{st['slots_from_own_rows']} paid their slots with their own rows, admitted "
             f"{st['admitted']} ({st['admitted_from_host']} from host), released {st['released']}"
         )
 
@@ -515,7 +528,24 @@ class KVOffloadCoordinator:
         changes the mapping an in-flight forward reads, so it is ordered after it; an iteration
         that completes nothing changes nothing and leaves the scheduler's stream alone (under the
         overlap scheduler that stream prepares the next batch beside the forward)."""
-        return len(self.controller.poll(before_complete=self._after_inflight_forward))
+        return self._completed(self.controller.poll(before_complete=self._after_inflight_forward))
+
+    def _drain(self) -> None:
+        """Wait for every backup and complete it (:meth:`_completed`)."""
+        self._completed(self.controller.drain())
+
+    def _completed(self, handles) -> int:
+        """After backups completed (their rows freed): grant the slots of the requests that pay
+        for them with those rows. Returns how many completed."""
+        for h in handles:
+            req = self.requests.get(h.tag)
+            if req is None or not req.slots_from_backup:
+                continue
+            req.slots_from_backup = False
+            req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
+            if not req.has_slots:  # its freed rows were taken: it cannot be served
+                req.fail_reason = self._no_slots_reason(req)
+        return len(handles)
 
     def release(self, req_pool_idx: int, kv_len: int = 0) -> bool:
         """Finish / abort / retract / failed transfer. Exactly once; a second call does nothing.
@@ -546,13 +576,13 @@ class KVOffloadCoordinator:
 
     def drain(self) -> None:
         """Wait for every backup (shutdown, tests, the idle leak check)."""
-        self.controller.drain()
+        self._drain()
 
     def before_relocation(self) -> None:
         """Before the arena moves physical pages: every forward launched so far and every backup
         (the write stream reads physical rows) are done with the old rows."""
         self._after_inflight_forward()
-        self.controller.drain()
+        self._drain()
 
     def relocate_rows(self, remap) -> None:
         """Rewrite the physical rows held here (sparse slots, pages read back for a prefill)."""
@@ -582,7 +612,7 @@ class KVOffloadCoordinator:
             return
         self.stats["backup_tokens"] += own.numel()
         self.stats["release_drains"] += 1
-        self.controller.drain()
+        self._drain()
 
     def _flush_for_tree(self, req: OffloadedRequest) -> None:
         """Back up ``req``'s complete pages that have no backup yet and wait for every backup in
@@ -612,7 +642,7 @@ class KVOffloadCoordinator:
             )
         if self.controller.has_inflight():
             self.stats["release_drains"] += 1
-            self.controller.drain()
+            self._drain()
 
     # ------------------------------------------------------------------ helpers
     def _after_inflight_forward(self) -> None:
@@ -633,8 +663,11 @@ class KVOffloadCoordinator:
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
-        would overflow them). A request without slots yet keeps its KV in tail rows and waits; a
-        resident one needs none unless it outgrows its slots (then it goes sparse)."""
+        would overflow them). A resident request needs none unless it outgrows its slots (then it
+        goes sparse). A sparse one takes free rows only beyond every other request's promise;
+        otherwise, when its own complete prompt pages are enough, their backup pays for its slots
+        (granted when it frees them, :meth:`_completed`), else it waits. Until then it keeps its
+        KV in its tail rows, where the plan reads every position in place."""
         if req.resident:
             if self.resident_len(req.seq_len):
                 return True
@@ -648,10 +681,25 @@ class KVOffloadCoordinator:
             )
         if req.has_slots:
             return self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
-        req.has_slots = self.sparse_cache.admit(req.req_pool_idx, req.seq_len)
-        if not req.has_slots and not self._slots_from_own_tail(req):
-            logger.debug("kv_offload: no sparse slots for req %d yet", req.req_pool_idx)
+        if req.slots_from_backup:
+            return True
+        r = req.req_pool_idx
+        need = self.sparse_cache.slots_for(req.seq_len)
+        if self.allocator.fits(max(0, need - self._owed(r)), 0):
+            req.has_slots = self.sparse_cache.admit(r, req.seq_len)
+        if not req.has_slots:
+            req.slots_from_backup = self._own_backup_rows(req) >= need
+            self.stats["slots_from_own_rows"] += req.slots_from_backup
+            if not req.slots_from_backup:
+                logger.debug("kv_offload: no sparse slots for req %d yet", r)
         return True
+
+    def _own_backup_rows(self, req: OffloadedRequest) -> int:
+        """Rows ``req``'s next backup frees: its complete written pages no backup has started
+        for and its claimed prompt pages."""
+        end = req.written_len // self.page_size * self.page_size
+        own = req.own_pages.numel() if req.own_pages is not None else 0
+        return max(0, end - req.backed_up_end) + own
 
     def _no_slots_reason(self, req: OffloadedRequest) -> str:
         return (
@@ -722,50 +770,15 @@ class KVOffloadCoordinator:
             **self.device_counters(),
         }
 
-    def _slots_from_own_tail(self, req: OffloadedRequest) -> bool:
-        """Last resort when the pool has no slots for ``req``: back up its own complete pages now
-        (blocking) so that their rows pay for its slots.
-
-        A request without slots keeps its whole context in tail rows (backups need slots: the plan
-        must be able to place misses), so a request whose own prompt fills the pool would otherwise
-        wait for ever. Done only when its rows are enough, so it never ends up with neither.
-        """
-        r = req.req_pool_idx
-        end = max(req.written_len // self.page_size * self.page_size, req.backed_up_end)
-        locs = self.req_to_token[r, req.backed_up_end : end].to(torch.int64)
-        if req.own_pages is not None:
-            locs = torch.cat([req.own_pages, locs])
-        own = locs.numel()
-        need = self.sparse_cache.slots_for(req.seq_len)
-        if own <= 0 or not self.allocator.fits(max(0, need - own), 0, owed=False):
-            return False
-        if self.controller.backup_batch([(r, locs, req.backed_up_end, end)]) is None:
-            return False  # the host pool is full: stay in tail rows
-        self.stats["backup_tokens"] += own
-        self.stats["forced_backups"] += 1
-        req.backed_up_end = end
-        req.own_pages = None
-        self.controller.drain()  # completes every backup, this one included: its pages are freed
-        req.has_slots = self.sparse_cache.admit(r, req.seq_len)
-        logger.warning(
-            "kv_offload: physical pool full; req %d backed up %d own rows synchronously to take "
-            "its %d sparse slots (granted: %s). Raise --mem-fraction-static or lower "
-            "--max-running-requests if this repeats",
-            r,
-            own,
-            need,
-            req.has_slots,
-        )
-        return req.has_slots
-
     def _start_backups(self, reqs: Iterable[OffloadedRequest]) -> None:
         items: List[Tuple[int, torch.Tensor, int, int]] = []
         pending: List[Tuple[OffloadedRequest, int]] = []
         for req in reqs:
             end = req.written_len // self.page_size * self.page_size
-            # Only requests that hold sparse slots give up their tail rows: without slots the
-            # plan could not place a miss.
-            if not req.has_slots or (end <= req.backed_up_end and req.own_pages is None):
+            # Only requests that hold sparse slots, or are granted them when this backup frees
+            # its rows, give up their tail rows: without slots the plan could not place a miss.
+            waits = not (req.has_slots or req.slots_from_backup)
+            if waits or (end <= req.backed_up_end and req.own_pages is None):
                 continue
             locs = self.req_to_token[req.req_pool_idx, req.backed_up_end : end].to(torch.int64)
             if req.own_pages is not None:  # claimed prompt pages before backed_up_end
