@@ -798,8 +798,8 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
 
     # A sparse prompt's staged rows count toward its promise: their backup pays for its slots,
     # so while staged it holds the more of them and its first decode page, or its promise.
-    assert h.coord.promise_rows(128 + 80, staged_rows=128) == promise
-    assert h.coord.promise_rows(128 + 80, staged_rows=4 * P) == 5 * P
+    assert h.coord.promise_rows(128 + 80, prompt_rows=128) == promise
+    assert h.coord.promise_rows(128 + 80, prompt_rows=4 * P) == 5 * P
     a = stage(128)
     assert h.coord.owed_rows() == promise - 128
     # Room for exactly one more staged prompt with its promise, and two pages.
@@ -833,6 +833,22 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     h.retire(a)
     assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
     assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
+    h.finish_all()
+
+
+def test_a_staged_sparse_prompt_is_promised_its_remaining_chunks_and_first_decode_page():
+    """Chunk by chunk a sparse prompt holds the rows it staged so far; it is owed the rest of its
+    prompt and its first decode page (or its sparse promise, if more). A direct-to-host prompt
+    stages nothing on the GPU and is owed its slots and tail pages."""
+    h = Harness(buffer_slots=64)  # sparse promise: 64 slots + 2 tail pages = 3 pages
+    h.coord.reserve(1, final_len=400, staged_len=64, prompt_len=256)
+    assert h.coord.owed_rows() == 256 + P - 64
+    h.coord.reserve(1, final_len=400, staged_len=256, prompt_len=256)
+    assert h.coord.owed_rows() == P
+    h.coord.reserve(2, final_len=400)
+    assert h.coord.owed_rows() == P + 3 * P
+    assert not h.coord.release(1) and not h.coord.release(2)  # never admitted
+    assert h.coord.owed_rows() == 0
     h.finish_all()
 
 

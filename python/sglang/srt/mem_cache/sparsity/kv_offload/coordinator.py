@@ -152,8 +152,9 @@ class KVOffloadCoordinator:
         # Radix cache: (logical locs, physical rows) of host-only prefix pages read back into GPU
         # rows for an extend (restore_for_extend), released at the next scheduler iteration.
         self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        # req_pool_idx -> (final length, positions staged before admission): promised rows.
-        self.reservations: Dict[int, Tuple[int, int]] = {}
+        # req_pool_idx -> (final length, positions staged so far, positions its prompt stages in
+        # GPU rows in all) before admission, (final length, 0, 0) after: promised rows.
+        self.reservations: Dict[int, Tuple[int, int, int]] = {}
         # Positions a decode step allocates ahead of its committed tokens (speculative drafts).
         self.lookahead = (tail_pages - 2) * self.page_size
         # A sparse request's promise: its most sparse slots and its tail pages. A request whose
@@ -203,16 +204,16 @@ class KVOffloadCoordinator:
             self.lookahead,
         )
 
-    def promise_rows(self, final_len: int, staged_rows: int = 0) -> int:
+    def promise_rows(self, final_len: int, prompt_rows: int = 0) -> int:
         """Physical rows a request that may reach ``final_len`` positions may come to hold at
         once: its whole context if resident; else its most sparse slots and its tail pages or,
-        while ``staged_rows`` of its prompt sit in GPU rows, those rows and the page of its first
-        decode token, whichever is more (the backup of those rows pays for its slots: see
+        while the ``prompt_rows`` its prompt stages sit in GPU rows, those rows and the page of its
+        first decode token, whichever is more (the backup of those rows pays for its slots: see
         :meth:`_grant_slots`)."""
         page = self.page_size
         if self.resident_len(final_len):
             return -(-(final_len + self.lookahead) // page) * page
-        return max(self._sparse_rows, staged_rows + page + self.lookahead)
+        return max(self._sparse_rows, prompt_rows + page + self.lookahead)
 
     def _held_rows(self, r: int, staged_len: int) -> int:
         """Rows request ``r`` holds toward its promise: its staged prompt rows before admission;
@@ -232,9 +233,9 @@ class KVOffloadCoordinator:
 
     def _owed(self, r: int) -> int:
         """Physical rows request ``r`` is promised and does not hold yet."""
-        final, staged = self.reservations.get(r, (0, 0))
-        staged_rows = -(-staged // self.page_size) * self.page_size
-        return max(0, self.promise_rows(final, staged_rows) - self._held_rows(r, staged))
+        final, staged, prompt = self.reservations.get(r, (0, 0, 0))
+        prompt_rows = -(-prompt // self.page_size) * self.page_size
+        return max(0, self.promise_rows(final, prompt_rows) - self._held_rows(r, staged))
 
     def owed_rows(self) -> int:
         """Physical rows live requests are promised and do not hold yet (no device read)."""
@@ -258,14 +259,22 @@ class KVOffloadCoordinator:
         return layout.holds(-(-rows // page), -(-locs // page))
 
     def _stage_rows(self, staging: int, final_len: int) -> int:
-        """Rows a new prompt takes at most: ``staging`` rows, or its promise if more."""
-        staged_rows = -(-staging // self.page_size) * self.page_size
-        return staging + max(0, self.promise_rows(final_len, staged_rows) - staged_rows)
+        """Rows a new prompt takes at most: its ``staging`` rows, or its promise if more."""
+        prompt_rows = -(-staging // self.page_size) * self.page_size
+        return staging + max(0, self.promise_rows(final_len, prompt_rows) - prompt_rows)
 
-    def reserve(self, req_pool_idx: int, final_len: int, staged_len: int = 0) -> None:
-        """Promise a request its rows (staged for a prefill or pre-allocated for a PD transfer,
-        ``staged_len`` positions so far); :meth:`release` withdraws it."""
-        self.reservations[int(req_pool_idx)] = (int(final_len), int(staged_len))
+    def reserve(
+        self,
+        req_pool_idx: int,
+        final_len: int,
+        staged_len: int = 0,
+        prompt_len: Optional[int] = None,
+    ) -> None:
+        """Promise a request its rows: staged for a prefill or pre-allocated for a PD transfer,
+        ``staged_len`` positions in GPU rows so far of the ``prompt_len`` (default
+        ``staged_len``) its prompt stages there in all; :meth:`release` withdraws it."""
+        prompt = int(staged_len if prompt_len is None else prompt_len)
+        self.reservations[int(req_pool_idx)] = (int(final_len), int(staged_len), prompt)
 
     def count_prefill_wait(self) -> None:
         """Count one refusal of the prefill gate (``stats["prefill_waits"]``)."""
@@ -299,10 +308,10 @@ class KVOffloadCoordinator:
         on_host_only = self._claim_prompt_pages(req) if self.share_prefixes else False
         # A cached prefix on the host only must be loaded into slots: not resident.
         if final_len is None:  # promised at staging, or unknown (then sparse)
-            final_len = self.reservations.get(r, (self._sparse_len, 0))[0]
+            final_len = self.reservations.get(r, (self._sparse_len, 0, 0))[0]
         req.resident = self.resident_len(final_len) and not on_host_only
         self.requests[r] = req
-        self.reservations[r] = (self._sparse_len if not req.resident else int(final_len), 0)
+        self.reservations[r] = (self._sparse_len if not req.resident else int(final_len), 0, 0)
         self.stats["admitted"] += 1
         self.stats["resident"] += req.resident
         self._grant_slots(req)
@@ -400,7 +409,7 @@ class KVOffloadCoordinator:
         if prefix:
             self._claim_prompt_pages(req, prefix)
         self.requests[r] = req
-        self.reservations[r] = (self._sparse_len, 0)
+        self.reservations[r] = (self._sparse_len, 0, 0)
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
         if req.own_pages is not None:
@@ -672,7 +681,7 @@ class KVOffloadCoordinator:
             if self.resident_len(req.seq_len):
                 return True
             req.resident = False
-            self.reservations[req.req_pool_idx] = (self._sparse_len, 0)
+            self.reservations[req.req_pool_idx] = (self._sparse_len, 0, 0)
             logger.warning(
                 "kv_offload: req %d outgrew its %d GPU rows (more tokens than its max_new_tokens "
                 "promised); it goes sparse",

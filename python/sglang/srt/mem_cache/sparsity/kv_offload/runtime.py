@@ -345,7 +345,12 @@ class KVOffloadRuntime(KVOffloadHooks):
         for req in batch.reqs:
             r = req.kv.req_pool_idx
             if r not in coordinator.requests:
-                coordinator.reserve(r, self._final_len(req), staged_len=req.kv.kv_allocated_len)
+                coordinator.reserve(
+                    r,
+                    self._final_len(req),
+                    staged_len=req.kv.kv_allocated_len,
+                    prompt_len=len(req.full_untruncated_fill_ids),
+                )
         rows = self.req_to_token_pool.req_to_token
         prefixes = [rows[r.kv.req_pool_idx, : r.prefix_len] for r in batch.reqs if r.prefix_len]
         if prefixes:
@@ -460,7 +465,8 @@ class KVOffloadRuntime(KVOffloadHooks):
         if locs is not None:
             r = req.kv.req_pool_idx
             req.kv.kv_allocated_len = fill_len
-            self.coordinator.reserve(r, self._final_len(req), staged_len=fill_len)
+            # A direct-to-host prompt stages nothing in GPU rows.
+            self.coordinator.reserve(r, self._final_len(req), staged_len=0 if to_host else fill_len)
             if to_host:
                 self._host_prealloc.add(r)
             elif locs.numel():
