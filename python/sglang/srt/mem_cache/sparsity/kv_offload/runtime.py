@@ -360,8 +360,9 @@ class KVOffloadRuntime(KVOffloadHooks):
         # The token budget (available_size) counts logical locs and host slots; this gate checks the
         # arena for the GPU KV rows too: the rest of each new prompt stages in GPU rows (chunks
         # included) until the request decodes, and each is promised its rows (its whole context
-        # if it stays resident, else its sparse slots and tail pages), beside the requests already
-        # promised theirs (staged ones included: prepare_extend promised them).
+        # if it stays resident, else the more of its staged prompt and its sparse slots and tail
+        # pages), beside the requests already promised theirs (staged ones included:
+        # prepare_extend promised them).
         coordinator = self.coordinator
         page = coordinator.page_size
         # With the radix cache a prefix may be cached pages on the host, read back into GPU rows
