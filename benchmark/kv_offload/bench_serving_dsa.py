@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
-from tiny_server_gpu import machine_info, parse_log, server_state  # noqa: E402
+from tiny_server_gpu import SETTLE_S, machine_info, parse_log  # noqa: E402
 from tiny_server_proc import BenchServer as Server  # noqa: E402
 from tiny_server_proc import http  # noqa: E402
 
@@ -300,7 +300,7 @@ def run_server(
                 )
             res["points"].append(point)
             print(f"[bench_serving_dsa] {kind} c={conc}: {json.dumps(point)[:600]}", flush=True)
-        res["kv_offload_end"] = server_state(server)
+        res["kv_offload_end"] = server.wait_settled(SETTLE_S, strict=False)
         res["standins_called"] = parse_log(server.log_text())["standins_called"]
         res["ok"] = all("error" not in p for p in res["points"])
     except (

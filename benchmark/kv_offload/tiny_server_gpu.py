@@ -68,6 +68,9 @@ from tiny_server_proc import BenchServer, http  # noqa: E402
 
 VOCAB = 1024  # the tiny model's vocab (fixtures/tiny-deepseek-v32/config.json)
 FIRST_TOKEN = 2  # skip <s>/</s> (ids 0 and 1)
+# Seconds to wait for a server's offload state to settle between phases (no request live, no
+# backup in flight); then the last state read is recorded.
+SETTLE_S = 30.0
 
 # name -> (index_topk override or None for the model's 2048, sparse_slots_per_req)
 CONFIGS: Dict[str, Tuple[Optional[int], int]] = {
@@ -220,7 +223,7 @@ def run_server(
                 time.sleep(2)
         else:
             raise RuntimeError("warm-up failed 3 times: " + " | ".join(res["warmup_errors"]))
-        res["kv_offload_after_warmup"] = server_state(server)
+        res["kv_offload_after_warmup"] = server.wait_settled(SETTLE_S, strict=False)
         sampling = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         if batched:
             res["batched"] = run_batched(server, batched, sampling, deadline)
@@ -263,7 +266,7 @@ def run_server(
             seq.append(o.get("output_ids"))
         res["tokens_sequential"] = seq
         res["sequential_wall_s"] = time.time() - t2
-        res["kv_offload"] = server_state(server)
+        res["kv_offload"] = server.wait_settled(SETTLE_S, strict=False)
         res["kv_offload_workload_delta"] = counter_delta(
             res["kv_offload_after_warmup"], res["kv_offload"]
         )
@@ -289,7 +292,7 @@ def run_batched(
     model's decode depends on the batch shape. The decode ``#running-req`` sequence of the phase
     (from the log) shows whether the batches did agree."""
     start = len(server.log_text())
-    before = server_state(server)
+    before = server.wait_settled(SETTLE_S, strict=False)
     t0 = time.time()
     outs = http(
         "POST",
@@ -306,23 +309,8 @@ def run_batched(
         "finish_reasons": [o.get("meta_info", {}).get("finish_reason") for o in outs],
         "decode_running": [x["running"] for x in lines],
         "all_decode_lines_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
-        "kv_offload_delta": counter_delta(before, server_state(server)),
+        "kv_offload_delta": counter_delta(before, server.wait_settled(SETTLE_S, strict=False)),
     }
-
-
-def server_state(server: BenchServer, timeout: float = 30.0) -> Optional[Dict[str, Any]]:
-    """``internal_states[0]["kv_offload"]`` of ``GET /get_server_info`` (None when absent) once no
-    request is live and no backup is in flight, read between phases: the state is a pure read and
-    the scheduler loop completes backups, so counts read as the last request ends may lag one
-    iteration. After ``timeout`` s, the last state read."""
-    deadline = time.time() + timeout
-    while True:
-        info = http("GET", server.url + "/get_server_info", timeout=60)
-        state = (info.get("internal_states") or [{}])[0].get("kv_offload")
-        settled = state is None or state["requests"] == state["backups_in_flight"] == 0
-        if settled or time.time() > deadline:
-            return state
-        time.sleep(0.2)
 
 
 def counter_delta(before: Optional[dict], after: Optional[dict]) -> Optional[Dict[str, int]]:
