@@ -431,12 +431,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--prompts-per-concurrency", type=int, default=2)
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--profile-concurrency", type=int, default=0)
+    p.add_argument(
+        "--profile-concurrency", type=int, default=0, help="1: profile the c=1 point; 0: none"
+    )
     p.add_argument("--profile-steps", type=int, default=8)
     add_server_options(p, layers=8, max_running=64)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
+    if a.profile_concurrency and (a.profile_concurrency != 1 or 1 not in a.concurrency):
+        p.error(
+            f"--profile-concurrency {a.profile_concurrency}: only 1, with 1 in --concurrency "
+            "(upstream's by-stage profiler ends a decode capture at the next prefill batch)"
+        )
     a.context_length = a.input_len + a.output_len + 64
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
