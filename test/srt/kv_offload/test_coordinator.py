@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (
 )
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import KVOffloadHostPool
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import STAT_NAMES
+from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 P = 64
@@ -269,8 +270,6 @@ def test_random_lifecycles_resolve_rows_and_leak_nothing(data):
 def test_offload_state_is_a_pure_read_and_the_scheduler_iteration_completes_backups():
     """``/server_info``'s offload state completes no backup and frees nothing, however often it
     is read; the scheduler iteration completes the finished backups and frees their rows."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
-
     h = Harness()
     gate = KVOffloadRuntime(h.coord, h.r2t)
     assert h.admit(200)  # sparse: the backup of its 3 complete pages starts, not waited for
@@ -775,8 +774,6 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     its rows from its prefill (prepare_extend) until its first decode step admits it; the gate
     counts that promise, or a later batch takes the rows its slots need (seen on the H200:
     requests left without slots, forced backups, two prompts held back a whole wave)."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.runtime import KVOffloadRuntime
-
     h = Harness(buffer_slots=64)
     gate = KVOffloadRuntime(h.coord, h.r2t)
     promise = h.coord.promise_rows(128 + 80)  # sparse: 64 slots + 2 tail pages = 192 rows
