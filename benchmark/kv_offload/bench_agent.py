@@ -77,7 +77,7 @@ from bench_serving_dsa import (  # noqa: E402
     wait_started,
 )
 from soak import git_commit, idle_problems  # noqa: E402
-from tiny_server_proc import BenchServer, http  # noqa: E402
+from tiny_server_proc import BenchServer, http, wait_until  # noqa: E402
 
 FIRST_TOKEN, LAST_TOKEN = 2, 500  # random prompt ids: past <s>/</s>, inside the tiny tokenizer
 STREAM_BUFSIZE = 16 * 1024**2  # one streamed chunk carries every output id so far
@@ -379,29 +379,6 @@ def offload_state(url: str) -> Optional[Dict[str, Any]]:
     return (info.get("internal_states") or [{}])[0].get("kv_offload")
 
 
-def wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        if time.time() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
-def wait_released(url: str) -> Optional[Dict[str, Any]]:
-    """The offload state once no request holds anything and no backup is in flight (the state is
-    a pure read: the scheduler loop completes backups); None without the flag."""
-    state = offload_state(url)
-    if state is not None:
-
-        def released() -> bool:
-            now = offload_state(url)
-            return now["promised"] == now["backups_in_flight"] == 0
-
-        wait_for(released, "kv offload requests released")
-        state = offload_state(url)
-    return state
-
-
 def flush(url: str) -> Optional[Dict[str, Any]]:
     """``POST /flush_cache`` (waiting for the server to go idle), then, with the flag, wait until
     every free count is back at its start; returns that offload state (None without the flag)."""
@@ -416,8 +393,8 @@ def flush(url: str) -> Optional[Dict[str, Any]]:
     if offload_state(url) is None:
         return None
     try:
-        wait_for(lambda: not idle_problems(offload_state(url)), "free counts back after flush", 60)
-    except TimeoutError:
+        wait_until(lambda: not idle_problems(offload_state(url)), "free counts back", 60, 0.5)
+    except AssertionError:
         pass  # reported with the state
     return offload_state(url)
 
@@ -464,7 +441,7 @@ def run_point(server: BenchServer, w: Workload, sessions: int, in_flight: int) -
     since = len(server.log_text())
     run = run_sessions(url, w, range(sessions), in_flight)
     point = {"sessions": sessions, **summarize(run, w.turns)}
-    state = wait_released(url)
+    state = server.wait_settled()
     point["counters"] = counters_after(url, before, point)
     point.update(running_stats(server.log_text(), since))
     if state is not None:
@@ -504,7 +481,7 @@ def run_overflow(
         "upstream_error": any(e in (refused.error or "") for e in CONTEXT_ERRORS),
         "page_tokens": page_tokens(run),
     }
-    state = wait_released(url)
+    state = server.wait_settled()
     if state is not None:
         out["used"] = used(state)
     return out

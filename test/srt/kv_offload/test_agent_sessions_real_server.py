@@ -77,7 +77,7 @@ def serve(off: Callable, on, flag_server: TinyServer) -> Tuple[Dict, Dict]:
                 [reference.url, on.url],
             )
             ref, got = [{"turns": sorted(r.turns, key=lambda t: (t.session, t.turn))} for r in runs]
-            got["before_flush"] = bench_agent.wait_released(flag_server.url)
+            got["before_flush"] = flag_server.wait_settled()
             got["after_flush"] = bench_agent.flush(flag_server.url)
     return ref, got
 
