@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
-from tiny_server_gpu import SETTLE_S, machine_info, parse_log  # noqa: E402
+from tiny_server_gpu import SETTLE_S, machine_info, parse_log, step_ms_by_batch  # noqa: E402
 from tiny_server_proc import BenchServer as Server  # noqa: E402
 from tiny_server_proc import http  # noqa: E402
 
@@ -167,6 +167,8 @@ def running_stats(log_text: str, since: int) -> Dict[str, Any]:
         "mean_running": statistics.fmean(running) if running else 0.0,
         "all_cuda_graph": all(x["cuda_graph"] for x in lines) if lines else None,
         "step_ms_median": statistics.median([x["step_ms"] for x in lines]) if lines else None,
+        # The step at each batch size: servers that ran different batches compare at equal ones.
+        "step_ms_by_running": step_ms_by_batch(lines),
     }
 
 

@@ -80,6 +80,9 @@ def test_short_prompts_stay_on_the_gpu_and_run_the_flag_off_batch():
         assert not missing, missing
         assert point["output_throughput"] > 0 and point["median_tpot_ms"] > 0
         assert 1 <= point["peak_running"] <= args.concurrency and point["decode_log_lines"] > 0
+        by_running = point["step_ms_by_running"]
+        assert max(by_running) == point["peak_running"], by_running
+        assert all(v["median_ms"] > 0 for v in by_running.values()), by_running
         assert {"flash_mla_sparse_fwd", "fp8_paged_mqa_logits"} <= set(server["standins_called"])
     end = report["servers"][1]["kv_offload_end"]
     assert end["admitted"] == end["released"] == args.prompts + 1  # the client's warm-up too
@@ -91,8 +94,8 @@ def test_long_prompts_run_at_least_the_flag_off_batch():
     """512-token prompts and 32 new tokens (sparse: longer than 128 slots and two tail pages), a
     2048-token GPU budget (3 such requests without the flag), all sent at once: the flag-on server
     runs at least the flag-off server's batch, at most what its arena fits (the product's sizing
-    code: each holds 128 sparse slots, two tail pages and its index keys; a burst stages fewer,
-    each prompt in rows of its own beside its promise). Without the prefill gate's retry when rows
+    code: each holds 128 sparse slots, two tail pages and its index keys; in a burst each staged
+    prompt's own rows pay for its slots). Without the prefill gate's retry when rows
     free up, it ran 2 at once (upstream retried only when a request finished)."""
     args, row, _ = _capacity_point(
         512, max_total_tokens=2048, max_running=8, prompts=8, concurrency=8
