@@ -639,6 +639,11 @@ def test_request_alone_with_its_prompt_filling_the_pool_takes_slots_from_it(devi
     req = h.coord.requests[r]
     assert not req.has_slots and req.slots_from_backup, "its own prompt pages pay for its slots"
     assert h.coord.stats["slots_from_own_rows"] == 1
+    # An arena relocation waits for the backup's copy but completes nothing: no row is freed and
+    # no slot taken while it picks the pages it moves.
+    free = h.alloc.free_counts()
+    h.coord.before_relocation()
+    assert h.alloc.free_counts() == free and not req.has_slots
     assert h.coord.poll() >= 1  # the backup completes and frees its rows: the slots are granted
     assert req.has_slots and not req.slots_from_backup and req.fail_reason is None
     locs = h.r2t.req_to_token[r, :192].long()

@@ -295,9 +295,14 @@ class KVOffloadCacheController:
 
     def drain(self) -> List[BackupHandle]:
         """Wait for every in-flight backup and complete it (shutdown, tests)."""
+        self.wait_copies()
+        return self.poll()
+
+    def wait_copies(self) -> None:
+        """Wait until every in-flight backup's copy has finished reading its GPU rows, without
+        completing it (:meth:`poll` still does)."""
         for h in self.inflight:
             h.finish_event.synchronize()
-        return self.poll()
 
     def _complete(self, n: int) -> List[BackupHandle]:
         done, self.inflight = self.inflight[:n], self.inflight[n:]

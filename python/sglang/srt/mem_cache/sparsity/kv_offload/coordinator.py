@@ -589,9 +589,11 @@ class KVOffloadCoordinator:
 
     def before_relocation(self) -> None:
         """Before the arena moves physical pages: every forward launched so far and every backup
-        (the write stream reads physical rows) are done with the old rows."""
+        (the write stream reads physical rows) are done with the old rows. Nothing completes
+        here: a completion frees rows and grants slots, which would take pages the arena is
+        moving; the next :meth:`poll` completes them."""
         self._after_inflight_forward()
-        self._drain()
+        self.controller.wait_copies()
 
     def relocate_rows(self, remap) -> None:
         """Rewrite the physical rows held here (sparse slots, pages read back for a prefill)."""
