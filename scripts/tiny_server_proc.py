@@ -234,6 +234,9 @@ class TinyServer:
             # the twins' batches, and with them their CPU tokens, differ: seen in CI as request 4
             # diverging).
             self._env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+            # The host pools are a few MB, but the servers side by side can leave less than
+            # upstream's 10 GiB host reserve available on a 24 GiB machine.
+            self._env.setdefault("KV_OFFLOAD_TEST_HOST_RESERVE_GB", "2")
             # Upstream leaves temporary files behind (ZMQ socket names, a config copy per
             # process): give the server its own TMPDIR, removed by stop(). Short: ZMQ ipc paths
             # must fit in 107 characters.

@@ -7,6 +7,7 @@ import psutil
 import pytest
 import torch
 from _pools import offload_device_pool
+from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 from sglang.srt.mem_cache.sparsity.kv_offload import host_pool as host_pool_mod
 from sglang.srt.mem_cache.sparsity.kv_offload.host_pool import (
     HostPoolSizeError,
@@ -134,14 +135,23 @@ def test_pools_of_one_node_must_fit_together(monkeypatch):
     reserve = 1 << 20
     free = 3 * requested + reserve + 1  # three such pools fit, four do not
 
-    class Memory:
-        available = free
-
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(host_pool_mod, "available_host_memory_bytes", lambda **_: free)
     KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=reserve, pools_on_node=3)
     with pytest.raises(HostPoolSizeError) as ei:
         KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=reserve, pools_on_node=4)
     assert "4 pools on this node" in str(ei.value)
+
+
+def test_default_reserve_is_upstreams(monkeypatch):
+    """Without ``host_reserve_bytes`` the pool keeps upstream HiCache's host reserve free."""
+    pool = device_pool()
+    probe = KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=0)
+    fits = probe.size * probe.size_per_token + HICACHE_HOST_MEMORY_RESERVE_BYTES
+    monkeypatch.setattr(host_pool_mod, "available_host_memory_bytes", lambda **_: fits)
+    KVOffloadHostPool(pool, host_pool_ratio=1)
+    monkeypatch.setattr(host_pool_mod, "available_host_memory_bytes", lambda **_: fits - 1)
+    with pytest.raises(HostPoolSizeError, match="after keeping 10.74 GB"):
+        KVOffloadHostPool(pool, host_pool_ratio=1)
 
 
 def test_unpin_syncs_before_unregistering_and_waits_out_a_capture(monkeypatch, caplog):

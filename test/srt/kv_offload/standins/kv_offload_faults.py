@@ -1,6 +1,12 @@
-"""Test-only fault injection for the tiny real server (never a stand-in for a kernel).
+"""Test-only fault injection and settings for the tiny real server (never a stand-in for a
+kernel).
 
 Enabled per server process by environment variables (see ``sitecustomize.py``):
+
+* ``KV_OFFLOAD_TEST_HOST_RESERVE_GB=N``: the host memory the host pool keeps free for the rest of
+  the process is ``N`` GB instead of upstream HiCache's 10 GiB. The suites run several tiny
+  servers side by side (pools of a few MB) on a 24 GiB machine, where the servers' own memory
+  can leave less than 10 GiB available (seen in CI as a start-up ``HostPoolSizeError``).
 
 * ``KV_OFFLOAD_TEST_CORRUPT_LOADS=1``: every row loaded host -> device comes from the next host
   slot instead of its own (the negative control: the token comparison must then fail).
@@ -74,8 +80,20 @@ def _fail_transfer_on_trigger(path: str) -> Callable:
     return patch
 
 
+def _host_reserve(gb: float) -> Callable:
+    def patch(module) -> None:
+        module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(gb * (1 << 30))
+
+    return patch
+
+
 def register(patches: Dict[str, Callable]) -> None:
     """Add the faults selected by the environment to the stand-ins' import-time patches."""
+    reserve_gb = os.environ.get("KV_OFFLOAD_TEST_HOST_RESERVE_GB")
+    if reserve_gb:
+        patches["sglang.srt.mem_cache.sparsity.kv_offload.host_pool"] = _host_reserve(
+            float(reserve_gb)
+        )
     if os.environ.get("KV_OFFLOAD_TEST_CORRUPT_LOADS") == "1":
         patches["sglang.srt.mem_cache.sparsity.kv_offload.controller"] = _corrupt_loads
     cycles = int(os.environ.get("KV_OFFLOAD_TEST_FORWARD_DELAY_CYCLES", "0"))

@@ -11,8 +11,9 @@ import threading
 import weakref
 from typing import List, Optional, Tuple
 
-import psutil
 import torch
+from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
+from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 from sglang.srt.mem_cache.pool_host.common import (
     HostTensorAllocator,
     get_allocator_from_storage,
@@ -23,8 +24,6 @@ from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 logger = logging.getLogger(__name__)
 
 GB = 1e9
-# Upstream HostKVCache keeps 10 GiB of host RAM for everything else; keep the same margin.
-DEFAULT_HOST_RESERVE_BYTES = 10 * (1 << 30)
 
 
 class HostPoolSizeError(ValueError):
@@ -74,8 +73,9 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
       :class:`~.shared_host.NodeSharedHostAllocator` makes one pool per node that the node's TP
       ranks (the attention-TP group's under attention DP) share, only its first rank writing
       backups (``writes_backups``).
-    * The node's free memory must hold ``pools_on_node`` such pools (one per attention-DP rank or
-      DP replica), which are built at the same time.
+    * The node's free memory, less ``host_reserve_bytes`` (upstream HiCache's reserve by
+      default), must hold ``pools_on_node`` such pools (one per attention-DP rank or DP
+      replica), which are built at the same time.
 
     ``MLATokenToKVPoolHost.__init__`` is replaced (not called): it sizes the pool from device-pool
     buffer descriptors and a host/device ratio, takes its memory from an allocator named by a
@@ -93,7 +93,7 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         ratio_base_tokens: Optional[int] = None,
         pin_memory: Optional[bool] = None,
         allocator_type: str = "default",
-        host_reserve_bytes: int = DEFAULT_HOST_RESERVE_BYTES,
+        host_reserve_bytes: Optional[int] = None,
         tensor_allocator: Optional[HostTensorAllocator] = None,
         pools_on_node: int = 1,
     ):
@@ -144,6 +144,8 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 "host_pool_ratio in --kv-offload-config"
             )
         if self.writes_backups:
+            if host_reserve_bytes is None:
+                host_reserve_bytes = HICACHE_HOST_MEMORY_RESERVE_BYTES
             self._check_host_memory(
                 host_size_gb, host_pool_ratio, host_reserve_bytes, pools_on_node
             )
@@ -184,9 +186,10 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         self, host_size_gb, host_pool_ratio, reserve: int, pools_on_node: int
     ) -> None:
         """The node's ``pools_on_node`` pools of this size (built at the same time, so each sees
-        the others' memory still free) must fit in its free memory together."""
+        the others' memory still free) must fit in its free memory together (upstream's count:
+        the host's available memory bounded by the container's cgroup limit)."""
         requested = self.size * self.size_per_token
-        available = psutil.virtual_memory().available - reserve
+        available = available_host_memory_bytes(allow_cgroup_fallback=True) - reserve
         share = max(0, available) // pools_on_node
         if requested > share:
             per_token = self.size_per_token
