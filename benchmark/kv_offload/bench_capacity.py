@@ -41,7 +41,7 @@ def _pages(tokens: int) -> int:
 
 def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pages: int) -> Dict:
     """Requests of ``length`` tokens held at once without and with the flag."""
-    from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import stays_resident
+    from sglang.srt.mem_cache.sparsity.kv_offload.admission import stays_resident
 
     layout = sizing.layout
     off = flag_off_tokens // (_pages(length) * PAGE)
@@ -112,7 +112,8 @@ def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
 
     report = bench_serving_dsa.main(
         [
-            "--model", "tiny", "--servers", "off,offload", "--out", str(out_dir / f"{prompt_len}.json"),
+            "--model", "tiny", "--layers", str(args.layers), "--servers", "off,offload",
+            "--out", str(out_dir / f"{prompt_len}.json"),
             "--input-len", str(prompt_len), "--output-len", str(args.output_len),
             "--random-range-ratio", str(args.range_ratio),
             "--concurrency", str(args.concurrency),
@@ -149,7 +150,7 @@ def run_serve(args) -> Dict:
     out_dir = Path(tempfile.mkdtemp(prefix="kvcap-"))  # short: ZMQ ipc paths
     return {
         "mode": "serve",
-        "model": "tiny DeepSeek-V3.2 (8 layers, bf16, CPU)",
+        "model": f"tiny DeepSeek-V3.2 ({args.layers} layers, bf16, CPU)",
         "max_total_tokens": args.max_total_tokens,
         "max_running": args.max_running,
         "output_len": args.output_len,
@@ -190,6 +191,7 @@ def main() -> None:
     v.add_argument("--chunked-prefill-size", type=int, default=2048)
     v.add_argument("--slots", type=int, default=128)
     v.add_argument("--topk", type=int, default=64)
+    v.add_argument("--layers", type=int, default=8, help="the tiny model's layers")
     v.add_argument("--point-deadline-s", type=float, default=1200)
     for sp in (s, v):
         sp.add_argument("--out", required=True)

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 KV_ROW = 1152  # the tiny server's bf16 latent row (bench_serving_dsa.py runs it in bf16)
-LAYERS = 8  # bench_serving_dsa.py's tiny model (--layers)
+LAYERS = 2  # the tiny model's layers here (bench_capacity.py serve --layers): prefill is the time
 BENCH = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH))
 
@@ -41,6 +41,7 @@ def _capacity_point(prompt_len, **over):
         chunked_prefill_size=2048,
         slots=128,
         topk=64,
+        layers=LAYERS,
         point_deadline_s=1200,
     )
     vars(args).update(over)

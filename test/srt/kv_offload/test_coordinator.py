@@ -86,7 +86,14 @@ class Harness:
             tail_pages=tail_pages,
             share_prefixes=share_prefixes,
         )
-        self.adapter = DSAOffloadAdapter(self.coord)  # the attention side
+        self.adapter = DSAOffloadAdapter(  # the attention side
+            self.r2t.req_to_token,
+            self.alloc,
+            self.sparse,
+            self.controller,
+            self.coord.workspace,
+            self.coord.verify_workspace,
+        )
         self.start = self.alloc.free_counts()
         self.free_reqs = list(range(1, max_reqs + 1))
         self.filler = []  # physical pages squeeze_physical took
@@ -781,11 +788,15 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     requests left without slots, forced backups, two prompts held back a whole wave)."""
     h = Harness(buffer_slots=64)
     gate = KVOffloadRuntime(h.coord, h.r2t)
-    promise = h.coord.promise_rows(128 + 80)  # sparse: 64 slots + 2 tail pages = 192 rows
-    assert promise == 64 + 2 * P and h.coord.promise_rows(48) == P  # resident: its context
+    promise = h.coord.admission.promise_rows(128 + 80)  # sparse: 64 slots + 2 tail pages = 192 rows
+    assert (
+        promise == 64 + 2 * P and h.coord.admission.promise_rows(48) == P
+    )  # resident: its context
     # Resident while the whole context takes no more rows than going sparse would.
-    assert h.coord.resident_len(promise) and not h.coord.resident_len(promise + 1)
-    assert h.coord.promise_rows(promise + 1) == promise
+    assert h.coord.admission.resident_len(promise) and not h.coord.admission.resident_len(
+        promise + 1
+    )
+    assert h.coord.admission.promise_rows(promise + 1) == promise
 
     def stage(n):  # a prefill batch: the request row, the prompt's rows, the promise
         r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
@@ -800,16 +811,16 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
 
     # A sparse prompt's staged rows count toward its promise: their backup pays for its slots,
     # so while staged it holds the more of them and its first decode page, or its promise.
-    assert h.coord.promise_rows(128 + 80, prompt_rows=128) == promise
-    assert h.coord.promise_rows(128 + 80, prompt_rows=4 * P) == 5 * P
+    assert h.coord.admission.promise_rows(128 + 80, prompt_rows=128) == promise
+    assert h.coord.admission.promise_rows(128 + 80, prompt_rows=4 * P) == 5 * P
     a = stage(128)
-    assert h.coord.owed_rows() == promise - 128
+    assert h.coord.admission.owed_rows() == promise - 128
     # Room for exactly one more staged prompt with its promise, and two pages.
     h.squeeze_physical(promise + 2 * P, owed=True)
     assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
     b = stage(128)
     assert not gate.can_stage_prefill(_prompt(128, max_new=80), [])
-    assert h.coord.stats["prefill_waits"] == 1
+    assert h.coord.admission.prefill_waits == 1
     assert not gate.on_scheduler_iteration()  # nothing freed: the scheduler need not retry
     # A short request that stays resident needs only its context's page, which is still there.
     assert gate.can_stage_prefill(_prompt(48, max_new=16), [])
@@ -826,9 +837,9 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     # An admitted request owes its promise less its slots and its tail rows: a decode token that
     # opens a page past its backed-up prompt is a tail row it holds toward its promise.
     slots = sum(int(h.sparse.num_slots_cpu[r]) for r in (a, b))
-    assert h.coord.owed_rows() == 2 * promise - slots
+    assert h.coord.admission.owed_rows() == 2 * promise - slots
     h.coord.requests[a].seq_len += 1
-    assert h.coord.owed_rows() == 2 * promise - slots - P
+    assert h.coord.admission.owed_rows() == 2 * promise - slots - P
     h.coord.requests[a].seq_len -= 1
     # A request that ends frees its rows and its promise: the scheduler retries its waiting
     # prompts once (upstream would retry only when a request finishes) and the prompt fits.
@@ -843,14 +854,14 @@ def test_a_staged_sparse_prompt_is_promised_its_remaining_chunks_and_first_decod
     prompt and its first decode page (or its sparse promise, if more). A direct-to-host prompt
     stages nothing on the GPU and is owed its slots and tail pages."""
     h = Harness(buffer_slots=64)  # sparse promise: 64 slots + 2 tail pages = 3 pages
-    h.coord.reserve(1, final_len=400, staged_len=64, prompt_len=256)
-    assert h.coord.owed_rows() == 256 + P - 64
-    h.coord.reserve(1, final_len=400, staged_len=256, prompt_len=256)
-    assert h.coord.owed_rows() == P
-    h.coord.reserve(2, final_len=400)
-    assert h.coord.owed_rows() == P + 3 * P
+    h.coord.admission.reserve(1, final_len=400, staged_len=64, prompt_len=256)
+    assert h.coord.admission.owed_rows() == 256 + P - 64
+    h.coord.admission.reserve(1, final_len=400, staged_len=256, prompt_len=256)
+    assert h.coord.admission.owed_rows() == P
+    h.coord.admission.reserve(2, final_len=400)
+    assert h.coord.admission.owed_rows() == P + 3 * P
     assert not h.coord.release(1) and not h.coord.release(2)  # never admitted
-    assert h.coord.owed_rows() == 0
+    assert h.coord.admission.owed_rows() == 0
     h.finish_all()
 
 

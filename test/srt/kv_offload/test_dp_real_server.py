@@ -33,7 +33,7 @@ class TestAttentionDP:
     """
 
     PROMPTS = [rs.prompt(n, 900 + i) for i, n in enumerate((640, 300, 900, 520))]
-    NEW_TOKENS = 48
+    NEW_TOKENS = 24
 
     @pytest.fixture(scope="class")
     def dp_servers(self, tmp_path_factory):

@@ -124,8 +124,7 @@ def test_model_side_uses_only_what_the_adapter_provides():
         >= members
     )
     assert used == members, used
-    adapter = DSAOffloadAdapter(Harness().coord)
-    assert isinstance(adapter, SparseKVCoordinator)
+    assert isinstance(Harness().adapter, SparseKVCoordinator)
 
 
 @pytest.mark.parametrize("impl", ["kv_offload", "hisparse"])

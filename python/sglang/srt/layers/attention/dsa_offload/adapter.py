@@ -20,8 +20,9 @@ device-side counts, no allocation):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from sglang.srt.mem_cache.sparsity.kv_offload.coordinator import KVOffloadCoordinator
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     PlanResult,
     PlanWorkspace,
@@ -32,16 +33,37 @@ from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
 class DSAOffloadAdapter:
     """What the DSA backend, the model runner and the CUDA-graph runner call on the forward side.
 
+    It only reads the scheduler side's state and plans into its workspaces, on the forward
+    stream; the coordinator (``KVOffloadCoordinator``) changes that state between forwards.
+
     Args:
-        coordinator: the server's :class:`KVOffloadCoordinator` (request state, LRU, plan
-            workspace and controller); the adapter only reads and plans, on the forward stream.
+        req_to_token: ``ReqToTokenPool.req_to_token`` (logical locs per request position).
+        allocator: ``KVOffloadTokenToKVPoolAllocator`` (``loc_to_host`` and the logical->physical
+            mapping the plan reads).
+        sparse_cache: the GPU LRU state (each layer's slots, planned into in place).
+        controller: ``KVOffloadCacheController`` (the host -> device load of the misses).
+        workspace: the decode plan's workspace (the coordinator reads its counters).
+        verify_workspace: a speculative target verify's (None without speculation).
     """
 
-    def __init__(self, coordinator: KVOffloadCoordinator) -> None:
-        self.coordinator = coordinator
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        allocator,
+        sparse_cache,
+        controller,
+        workspace: PlanWorkspace,
+        verify_workspace: Optional[PlanWorkspace] = None,
+    ) -> None:
+        self.req_to_token = req_to_token
+        self.allocator = allocator
+        self.sparse_cache = sparse_cache
+        self.controller = controller
+        self.workspace = workspace
+        self.verify_workspace = verify_workspace
         # Rows >= num_real_reqs[0] of a CUDA-graph batch are padding; upstream fills it before
         # every eager forward and graph replay.
-        self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=coordinator.device)
+        self.num_real_reqs = torch.zeros((1,), dtype=torch.int32, device=sparse_cache.device)
 
     def wait_for_pending_backup(self) -> None:
         """Nothing to wait for: a backup copies GPU rows to the host, and a row stays on the GPU
@@ -62,16 +84,15 @@ class DSAOffloadAdapter:
         reuse it).
         """
         del seq_lens  # tail rows are found through the logical->physical mapping instead
-        coord = self.coordinator
         if topk_indices.dim() == 3:
             # One plan row per request over its draft tokens' top-k: the plan dedupes a row, so the
             # union of their misses is loaded once. Draft tokens' own KV is in GPU tail rows.
             bs, tokens, topk = topk_indices.shape
             flat = topk_indices.view(bs, tokens * topk)
-            plan = self._plan(req_pool_indices, flat, layer_id, coord.verify_workspace)
+            plan = self._plan(req_pool_indices, flat, layer_id, self.verify_workspace)
             self._load(plan, layer_id)
             return plan.out_indices.view(bs, tokens, topk)
-        plan = self._plan(req_pool_indices, topk_indices, layer_id, coord.workspace)
+        plan = self._plan(req_pool_indices, topk_indices, layer_id, self.workspace)
         self._load(plan, layer_id)
         return plan.out_indices
 
@@ -82,20 +103,18 @@ class DSAOffloadAdapter:
         layer_id: int,
         workspace: PlanWorkspace,
     ) -> PlanResult:
-        coord = self.coordinator
-        allocator = coord.allocator
         return plan_layer(
             topk_indices,
             req_pool_indices,
             self.num_real_reqs,
-            allocator.loc_to_host,
-            allocator.full_to_hisparse_device_index_mapping,
-            coord.sparse_cache.layer(layer_id),
+            self.allocator.loc_to_host,
+            self.allocator.full_to_hisparse_device_index_mapping,
+            self.sparse_cache.layer(layer_id),
             workspace,
-            req_to_token=coord.req_to_token,
+            req_to_token=self.req_to_token,
         )
 
     def _load(self, plan: PlanResult, layer_id: int) -> None:
-        self.coordinator.controller.load_one_layer(
+        self.controller.load_one_layer(
             layer_id, plan.miss_host, plan.miss_dst, num_valid=plan.miss_count
         )

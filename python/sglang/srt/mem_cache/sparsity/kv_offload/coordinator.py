@@ -30,11 +30,14 @@ state kept here.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+from sglang.srt.mem_cache.sparsity.kv_offload.admission import (
+    AdmissionLedger,
+    OffloadedRequest,
+)
 from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
     ERR_MISS_NOT_ON_HOST,
     ERR_SLOT_OVERFLOW,
@@ -47,35 +50,6 @@ logger = logging.getLogger(__name__)
 
 # ``loc_to_host`` value of a page whose backup a request has claimed (radix cache; see admit).
 HOST_CLAIMED = -2
-
-
-def stays_resident(
-    final_len: int, sparse_slots: int, tail_pages: int, page_size: int, lookahead: int = 0
-) -> bool:
-    """The resident rule: a request that may reach ``final_len`` positions (plus ``lookahead``
-    positions allocated ahead) keeps its whole context on the GPU when that takes no more rows
-    than going sparse would, its ``sparse_slots`` and its ``tail_pages``."""
-    pages = -(-(final_len + lookahead) // page_size)
-    return pages * page_size <= sparse_slots + tail_pages * page_size
-
-
-@dataclasses.dataclass
-class OffloadedRequest:
-    """Host-side bookkeeping of one admitted request."""
-
-    req_pool_idx: int
-    seq_len: int  # allocated positions (their logical locs exist)
-    written_len: int  # positions whose KV rows are written; only these may be backed up
-    backed_up_end: int = 0  # positions [0, backed_up_end) have a backup started (page aligned)
-    has_slots: bool = False
-    # Pays for its slots with its own prompt rows: granted when their backup frees them (poll).
-    slots_from_backup: bool = False
-    # Kept on the GPU whole: its context takes no more rows than its sparse slots and tail pages.
-    resident: bool = False
-    # Radix cache: the prompt pages this request must back up (whole pages of logical locs, on the
-    # device) when the rest of [0, backed_up_end) are a shared prefix backed up by another request.
-    own_pages: Optional[torch.Tensor] = None
-    fail_reason: Optional[str] = None  # fails at its first decode step (see admit)
 
 
 class KVOffloadCoordinator:
@@ -98,14 +72,9 @@ class KVOffloadCoordinator:
             their device work (backups of pages that forward writes, LRU and mapping updates it
             reads, slot and row reuse) is ordered after it, as HiSparse's producer-stream waits do.
 
-    Admission control: every live request (staged for a prefill, pre-allocated for a PD transfer, or
-    admitted) is promised the physical rows it may come to hold (:meth:`promise_rows`): a request
-    whose whole context takes no more rows than its sparse slots and tail pages is kept on the GPU
-    whole (*resident*: no backup, no slot, no load; its rows are its context), any other its sparse
-    slots plus its tail pages. The
-    rows promised and not yet held (:meth:`owed_rows`) are kept out of the logical budget, and a new
-    request is staged only if its prompt, its promise and its logical locs fit in the arena beside
-    them (:meth:`can_stage`), so an admitted request always finds its rows.
+    Admission control (what each live request is promised, and whether a new one fits beside
+    them) is :attr:`admission`'s (:class:`~.admission.AdmissionLedger`); the coordinator keeps the
+    promises as requests are admitted, go sparse and end.
     """
 
     def __init__(
@@ -149,19 +118,10 @@ class KVOffloadCoordinator:
             else None
         )
         self.requests: Dict[int, OffloadedRequest] = {}
+        self.admission = AdmissionLedger(allocator, sparse_cache, self.requests, tail_pages)
         # Radix cache: (logical locs, physical rows) of host-only prefix pages read back into GPU
         # rows for an extend (restore_for_extend), released at the next scheduler iteration.
         self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        # req_pool_idx -> (final length, positions staged so far, positions its prompt stages in
-        # GPU rows in all) before admission, (final length, 0, 0) after: promised rows.
-        self.reservations: Dict[int, Tuple[int, int, int]] = {}
-        # Positions a decode step allocates ahead of its committed tokens (speculative drafts).
-        self.lookahead = (tail_pages - 2) * self.page_size
-        # A sparse request's promise: its most sparse slots and its tail pages. A request whose
-        # whole context takes no more rows stays resident.
-        self._sparse_rows = sparse_cache.max_slots + tail_pages * self.page_size
-        # A final length no resident request has (promised as a sparse one).
-        self._sparse_len = self._sparse_rows + 1
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
         # The plan's counters and error flags, copied to the host after each step's forward and
@@ -174,7 +134,7 @@ class KVOffloadCoordinator:
         self._serving = False
         # The allocator keeps the rows promised out of the logical budget, and the arena asks
         # before it moves physical rows this state holds.
-        allocator.physical_owed = self.owed_rows
+        allocator.physical_owed = self.admission.owed_rows
         allocator.arena.listeners.append(self)
         self.initial_free = self.allocator.free_counts()
         self.stats = {
@@ -184,101 +144,11 @@ class KVOffloadCoordinator:
             "backup_tokens": 0,
             "deferred_backups": 0,
             "slots_from_own_rows": 0,
-            "prefill_waits": 0,
             "shared_prefix_tokens": 0,
             "release_drains": 0,
             "restored_prefix_tokens": 0,
             "resident": 0,
         }
-
-    # ------------------------------------------------------------------ admission control
-    def resident_len(self, final_len: int) -> bool:
-        """Whether a request that may reach ``final_len`` positions is kept on the GPU whole: its
-        whole context (speculative lookahead included) takes no more rows than going sparse
-        would (its most sparse slots and its tail pages)."""
-        return stays_resident(
-            final_len,
-            self.sparse_cache.max_slots,
-            self.tail_pages,
-            self.page_size,
-            self.lookahead,
-        )
-
-    def promise_rows(self, final_len: int, prompt_rows: int = 0) -> int:
-        """Physical rows a request that may reach ``final_len`` positions may come to hold at
-        once: its whole context if resident; else its most sparse slots and its tail pages or,
-        while the ``prompt_rows`` its prompt stages sit in GPU rows, those rows and the page of its
-        first decode token, whichever is more (the backup of those rows pays for its slots: see
-        :meth:`_grant_slots`)."""
-        page = self.page_size
-        if self.resident_len(final_len):
-            return -(-(final_len + self.lookahead) // page) * page
-        return max(self._sparse_rows, prompt_rows + page + self.lookahead)
-
-    def _held_rows(self, r: int, staged_len: int) -> int:
-        """Rows request ``r`` holds toward its promise: its staged prompt rows before admission;
-        its context rows if resident; once it has sparse slots, its slots and the tail rows of
-        positions no backup has started for; before that, those tail rows and its claimed prompt
-        pages (rows whose backup is in flight are not subtracted: conservative)."""
-        page = self.page_size
-        req = self.requests.get(r)
-        if req is None:
-            return -(-staged_len // page) * page
-        if req.resident:
-            return -(-req.seq_len // page) * page
-        tail = max(0, -(-req.seq_len // page) * page - req.backed_up_end)
-        if req.has_slots:
-            return int(self.sparse_cache.num_slots_cpu[r]) + tail
-        return tail + (req.own_pages.numel() if req.own_pages is not None else 0)
-
-    def _owed(self, r: int) -> int:
-        """Physical rows request ``r`` is promised and does not hold yet."""
-        final, staged, prompt = self.reservations.get(r, (0, 0, 0))
-        prompt_rows = -(-prompt // self.page_size) * self.page_size
-        return max(0, self.promise_rows(final, prompt_rows) - self._held_rows(r, staged))
-
-    def owed_rows(self) -> int:
-        """Physical rows live requests are promised and do not hold yet (no device read)."""
-        return sum(self._owed(r) for r in self.reservations)
-
-    def can_stage(self, prompts: Sequence[Tuple[int, int, int]]) -> bool:
-        """Whether new requests fit beside the live ones: ``prompts`` are ``(staging rows, logical
-        locs, final length)`` each, the rows its prompt stages on the GPU (0 when it arrives on the
-        host), the logical locs it takes and the length it may reach."""
-        rows = logical = 0
-        for staging, locs, final in prompts:
-            rows += self._stage_rows(staging, final)
-            logical += locs
-        return self.allocator.fits(rows, logical)
-
-    def can_ever_stage(self, staging: int, locs: int, final_len: int) -> bool:
-        """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
-        page = self.page_size
-        rows = self._stage_rows(staging, final_len)
-        layout = self.allocator.arena.layout
-        return layout.holds(-(-rows // page), -(-locs // page))
-
-    def _stage_rows(self, staging: int, final_len: int) -> int:
-        """Rows a new prompt takes at most: its ``staging`` rows, or its promise if more."""
-        prompt_rows = -(-staging // self.page_size) * self.page_size
-        return staging + max(0, self.promise_rows(final_len, prompt_rows) - prompt_rows)
-
-    def reserve(
-        self,
-        req_pool_idx: int,
-        final_len: int,
-        staged_len: int = 0,
-        prompt_len: Optional[int] = None,
-    ) -> None:
-        """Promise a request its rows: staged for a prefill or pre-allocated for a PD transfer,
-        ``staged_len`` positions in GPU rows so far of the ``prompt_len`` (default
-        ``staged_len``) its prompt stages there in all; :meth:`release` withdraws it."""
-        prompt = int(staged_len if prompt_len is None else prompt_len)
-        self.reservations[int(req_pool_idx)] = (int(final_len), int(staged_len), prompt)
-
-    def count_prefill_wait(self) -> None:
-        """Count one refusal of the prefill gate (``stats["prefill_waits"]``)."""
-        self.stats["prefill_waits"] += 1
 
     # ------------------------------------------------------------------ scheduler side
     def admit(
@@ -308,10 +178,10 @@ class KVOffloadCoordinator:
         on_host_only = self._claim_prompt_pages(req) if self.share_prefixes else False
         # A cached prefix on the host only must be loaded into slots: not resident.
         if final_len is None:  # promised at staging, or unknown (then sparse)
-            final_len = self.reservations.get(r, (self._sparse_len, 0, 0))[0]
-        req.resident = self.resident_len(final_len) and not on_host_only
+            final_len = self.admission.final_len(r)
+        req.resident = self.admission.resident_len(final_len) and not on_host_only
         self.requests[r] = req
-        self.reservations[r] = (self._sparse_len if not req.resident else int(final_len), 0, 0)
+        self.admission.admitted(r, resident_len=final_len if req.resident else None)
         self.stats["admitted"] += 1
         self.stats["resident"] += req.resident
         self._grant_slots(req)
@@ -409,7 +279,7 @@ class KVOffloadCoordinator:
         if prefix:
             self._claim_prompt_pages(req, prefix)
         self.requests[r] = req
-        self.reservations[r] = (self._sparse_len, 0, 0)
+        self.admission.admitted(r)
         self.stats["admitted"] += 1
         self.stats["admitted_from_host"] += 1
         if req.own_pages is not None:
@@ -471,7 +341,7 @@ class KVOffloadCoordinator:
             f"({sum(not r.has_slots and not r.resident for r in self.requests.values())} "
             "waiting for slots), "
             f"{sum(r.resident for r in self.requests.values())} resident, "
-            f"{len(self.reservations)} promised, {self.owed_rows()} rows owed; free logical "
+            f"{len(self.admission)} promised, {self.admission.owed_rows()} rows owed; free logical "
             f"{free['logical']}, physical {free['physical']}, host {free.get('host', 0)}; backed "
             f"up {st['backup_tokens']} tokens ({st['deferred_backups']} deferred), "
             f"{st['slots_from_own_rows']} paid their slots with their own rows, admitted "
@@ -568,7 +438,7 @@ class KVOffloadCoordinator:
         complete written pages not yet backed up are backed up now and every backup is waited for
         (:meth:`_flush_for_tree`). The tree then owns host rows only.
         """
-        self.reservations.pop(int(req_pool_idx), None)
+        self.admission.withdraw(req_pool_idx)
         req = self.requests.pop(int(req_pool_idx), None)
         if req is None:
             if self.share_prefixes and kv_len >= self.page_size:
@@ -680,15 +550,15 @@ class KVOffloadCoordinator:
         (granted when it frees them, :meth:`_completed`), else it waits. Until then it keeps its
         KV in its tail rows, where the plan reads every position in place."""
         if req.resident:
-            if self.resident_len(req.seq_len):
+            if self.admission.resident_len(req.seq_len):
                 return True
             req.resident = False
-            self.reservations[req.req_pool_idx] = (self._sparse_len, 0, 0)
+            self.admission.admitted(req.req_pool_idx)
             logger.warning(
                 "kv_offload: req %d outgrew its %d GPU rows (more tokens than its max_new_tokens "
                 "promised); it goes sparse",
                 req.req_pool_idx,
-                self._sparse_rows,
+                self.admission.sparse_rows,
             )
         if req.has_slots:
             return self.sparse_cache.grow(req.req_pool_idx, req.seq_len)
@@ -696,7 +566,7 @@ class KVOffloadCoordinator:
             return True
         r = req.req_pool_idx
         need = self.sparse_cache.slots_for(req.seq_len)
-        if self.allocator.fits(max(0, need - self._owed(r)), 0):
+        if self.allocator.fits(max(0, need - self.admission.owed(r)), 0):
             req.has_slots = self.sparse_cache.admit(r, req.seq_len)
         if not req.has_slots:
             req.slots_from_backup = self._own_backup_rows(req) >= need
@@ -769,7 +639,8 @@ class KVOffloadCoordinator:
             "initial_free": dict(self.initial_free),
             "host_pending_free": self.allocator.host_pending_free,
             "requests": len(self.requests),
-            "promised": len(self.reservations),
+            "promised": len(self.admission),
+            "prefill_waits": self.admission.prefill_waits,
             "sparse_slots_held": sum(self.sparse_cache.num_slots_cpu),
             "backups_in_flight": len(self.controller.inflight),
             "host_pool": self.controller.host_pool_info(),

@@ -230,7 +230,14 @@ def init_offload(runner) -> None:
             labels["dp_rank"] = str(parallel.dp_rank)
         metrics = KVOffloadMetrics(labels)
     allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
-    runner.hisparse_coordinator = DSAOffloadAdapter(coordinator)
+    runner.hisparse_coordinator = DSAOffloadAdapter(
+        runner.req_to_token_pool.req_to_token,
+        allocator,
+        sparse,
+        controller,
+        coordinator.workspace,
+        coordinator.verify_workspace,
+    )
     # The scheduler's token accounting compares the allocator's available_size() (logical tokens,
     # capped by host slots) with max_total_num_tokens, e.g. in the idle leak check, so the two
     # must agree when nothing is allocated.
@@ -275,8 +282,8 @@ class KVOffloadRuntime(KVOffloadHooks):
     """The hook object of one server process: what the scheduler and the PD decode queue call.
 
     Holds no state of its own beyond the PD bookkeeping and the prefill gate's last refusal
-    below; everything else is the
-    coordinator's (request state, promises, counters) and the allocator's (free lists).
+    below; everything else is the coordinator's (request state, counters), its admission ledger's
+    (promises) and the allocator's (free lists).
     """
 
     def __init__(
@@ -289,6 +296,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         self.req_to_token_pool = req_to_token_pool  # its rows in use: the live requests
         self.metrics = metrics  # with --enable-metrics
         self.allocator: KVOffloadTokenToKVPoolAllocator = coordinator.allocator
+        self.admission = coordinator.admission  # the promises the prefill and PD gates keep
         # pd_direct_to_host: requests pre-allocated into host pages, to be admitted from the host
         # when their transfer succeeds (admit_transferred), never at a decode step.
         self._host_prealloc: Set[int] = set()
@@ -345,7 +353,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         for req in batch.reqs:
             r = req.kv.req_pool_idx
             if r not in coordinator.requests:
-                coordinator.reserve(
+                self.admission.reserve(
                     r,
                     self._final_len(req),
                     staged_len=req.kv.kv_allocated_len,
@@ -363,24 +371,24 @@ class KVOffloadRuntime(KVOffloadHooks):
         # if it stays resident, else the more of its staged prompt and its sparse slots and tail
         # pages), beside the requests already promised theirs (staged ones included:
         # prepare_extend promised them).
-        coordinator = self.coordinator
-        page = coordinator.page_size
+        admission = self.admission
+        page = admission.page_size
         # With the radix cache a prefix may be cached pages on the host, read back into GPU rows
         # for the prefill (prepare_extend): counted as staging (a chunked prompt's own earlier
         # chunks, already in GPU rows, then count twice: conservative).
-        shared = coordinator.share_prefixes
-        promised = coordinator.reservations  # a chunked prompt part way: since its first chunk
-        new = [r for r in (req, *scheduled) if r.kv.req_pool_idx not in promised]
+        shared = self.coordinator.share_prefixes
+        # A chunked prompt part way is promised its rows since its first chunk.
+        new = [r for r in (req, *scheduled) if r.kv.req_pool_idx not in admission]
         prompts = []
         for r in new:
             rest = len(r.full_untruncated_fill_ids) - r.prefix_len
             staging = rest + (r.prefix_len if shared else 0)
             prompts.append((ceil_align(staging, page), ceil_align(rest, page), self._final_len(r)))
-        if new and new[0] is req and not coordinator.can_ever_stage(*prompts[0]):
+        if new and new[0] is req and not admission.can_ever_stage(*prompts[0]):
             # It would wait for ever: the token budget (logical locs) admits longer prompts than
             # the GPU can stage. Upstream's abort leaves a one-token prompt that prefills next
             # round and ends with this error.
-            held = coordinator.allocator.arena.layout.resident_tokens
+            held = self.allocator.arena.layout.resident_tokens
             req.set_finish_with_abort(
                 f"kv offload: this prompt ({len(req.full_untruncated_fill_ids)} tokens, "
                 f"{self._final_len(req)} with its new tokens) needs more GPU KV rows at once than "
@@ -388,17 +396,17 @@ class KVOffloadRuntime(KVOffloadHooks):
                 "prompt or raise --mem-fraction-static."
             )
             return False
-        if coordinator.can_stage(prompts):
+        if admission.can_stage(prompts):
             self._refused_room = None
             return True
-        coordinator.count_prefill_wait()
+        admission.count_prefill_wait()
         self._refused_room = self._gpu_room()
         return False
 
     def _gpu_room(self) -> Tuple[int, int]:
         """(physical rows free beyond those promised, logical locs free): host-side, no device read."""
         free = self.allocator.free_counts()
-        return free["physical"] - self.coordinator.owed_rows(), free["logical"]
+        return free["physical"] - self.admission.owed_rows(), free["logical"]
 
     def release_request(self, req_pool_idx: Optional[int], kv_len: int = 0) -> None:
         # The logical locs are freed next by upstream's path through the kv offload allocator,
@@ -451,7 +459,7 @@ class KVOffloadRuntime(KVOffloadHooks):
         page = self.coordinator.page_size
         staging = ceil_align(fill_len, page) if self._stages_on_gpu(req) else 0
         prompt = (staging, ceil_align(fill_len, page), self._final_len(req))
-        return self.coordinator.can_stage([prompt])
+        return self.admission.can_stage([prompt])
 
     def pd_prealloc(self, req, fill_len: int, prefix_len: int) -> Optional[torch.Tensor]:
         # The prefix (``--disaggregation-decode-enable-radix-cache``) is the tree's; the prefill
@@ -467,7 +475,7 @@ class KVOffloadRuntime(KVOffloadHooks):
             r = req.kv.req_pool_idx
             req.kv.kv_allocated_len = fill_len
             # A direct-to-host prompt stages nothing in GPU rows.
-            self.coordinator.reserve(r, self._final_len(req), staged_len=0 if to_host else fill_len)
+            self.admission.reserve(r, self._final_len(req), staged_len=0 if to_host else fill_len)
             if to_host:
                 self._host_prealloc.add(r)
             elif locs.numel():
