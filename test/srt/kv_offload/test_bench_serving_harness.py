@@ -4,8 +4,8 @@ Two real servers (no flag, ``--enable-kv-offload``), each driven by SGLang's own
 sglang.bench_serving`` client. Checks the harness and the flag's capacity, counts not speed: every
 request served, every field of each point present, the decode log read, nothing left allocated on
 the flag-on server, and (``bench_capacity.py serve``) the flag-on server running at least the
-flag-off server's batch at a short-prompt point (every request kept on the GPU) and more requests
-than the flag-off budget holds at a long-prompt point.
+flag-off server's batch at a short-prompt point (every request kept on the GPU) and at least 90 %
+of what its arena fits at a decode-dominated long-prompt point.
 """
 
 import json
@@ -91,25 +91,29 @@ def test_short_prompts_stay_on_the_gpu_and_run_the_flag_off_batch():
     assert "--enable-kv-offload" not in report["servers"][0]["args"]
 
 
-def test_long_prompts_run_at_least_the_flag_off_batch():
-    """512-token prompts and 32 new tokens (sparse: longer than 128 slots and two tail pages), a
-    2048-token GPU budget (3 such requests without the flag), all sent at once: the flag-on server
-    runs at least the flag-off server's batch, at most what its arena fits (the product's sizing
-    code: each holds 128 sparse slots, two tail pages and its index keys; in a burst each staged
-    prompt's own rows pay for its slots). Without the prefill gate's retry when rows
-    free up, it ran 2 at once (upstream retried only when a request finished)."""
+def test_long_prompts_run_what_their_tokens_fit():
+    """512-token prompts and 160 new tokens (sparse: longer than 128 slots and two tail pages), a
+    2048-token GPU budget (2 such requests without the flag), all sent at once: decode dominates,
+    and the flag-on server runs at least 90 % of what its arena fits (the product's sizing code:
+    each holds 128 sparse slots, two tail pages and its index keys; in a burst each staged
+    prompt's own rows pay for its slots), never more. Without the prefill gate's retry when rows
+    free up, it ran 2 at once (upstream retried only when a request finished); while the retry
+    compared with the room before the round's own prompts took their rows, 4 of 5."""
+    new_tokens = 160
     args, row, _ = _capacity_point(
-        512, max_total_tokens=2048, max_running=8, prompts=8, concurrency=8
+        512, output_len=new_tokens, max_total_tokens=2048, max_running=8, prompts=6, concurrency=6
     )
     off, on = row["off"], row["offload"]
     budget = args.max_total_tokens * (KV_ROW + 132) * LAYERS
     sizing = size_arena(budget, LAYERS, KV_ROW, 132, 64, logical_loc_bytes=LOGICAL_LOC_STATE_BYTES)
-    fits = bench_capacity.sizing_point(sizing, args.max_total_tokens, 512 + 32, args.slots, 2)
-    print(f"\n[capacity] 512+32 tokens: peak running {on['peak_running']} with the flag "
+    fits = bench_capacity.sizing_point(
+        sizing, args.max_total_tokens, 512 + new_tokens, args.slots, 2
+    )
+    print(f"\n[capacity] 512+{new_tokens} tokens: peak running {on['peak_running']} with the flag "
           f"(its arena fits {fits['flag_on_requests']}), {off['peak_running']} without")  # fmt: skip
-    assert off["peak_running"] == fits["flag_off_requests"] == 3, row
-    assert fits["flag_on_requests"] >= 2 * off["peak_running"], fits
-    assert off["peak_running"] <= on["peak_running"] <= fits["flag_on_requests"], row
+    assert fits["flag_on_requests"] >= 2 * fits["flag_off_requests"] == 4, fits
+    assert off["peak_running"] <= on["peak_running"], row
+    assert 0.9 * fits["flag_on_requests"] <= on["peak_running"] <= fits["flag_on_requests"], row
     assert on["loaded_rows"] > 0 and on["resident_requests"] == 0, row  # all sparse
 
 

@@ -86,6 +86,7 @@ class Harness:
             tail_pages=tail_pages,
             share_prefixes=share_prefixes,
         )
+        self.alloc.attach(self.coord.admission.owed_rows, self.coord)  # as init_offload does
         self.adapter = DSAOffloadAdapter(  # the attention side
             self.r2t.req_to_token,
             self.alloc,
@@ -846,6 +847,41 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     h.retire(a)
     assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
     assert gate.can_stage_prefill(_prompt(128, max_new=80), [])
+    h.finish_all()
+
+
+def test_prefill_gate_retries_once_rows_beyond_the_refusing_round_are_freed():
+    """The prompts the gate let through in a round take their rows after it refused the next one:
+    the room to beat is the round's, once they hold them. Counted before they took them, their
+    own admission (their backups free the staged rows down to their promises) never beats it,
+    and a burst waited for a request to finish (seen in the capacity benchmark: 3 of 8 requests
+    running, 90 s, where 5 fit)."""
+    h = Harness(buffer_slots=64)  # sparse promise: 64 slots + 2 tail pages = 3 pages
+    gate = KVOffloadRuntime(h.coord, h.r2t)
+    n, max_new = 256, 80  # a staged prompt takes its 4 pages and its first decode page: 5
+    first, second = _prompt(n, max_new=max_new), _prompt(n, max_new=max_new)
+    h.squeeze_physical(10 * P, owed=True)  # one staged prompt fits, two (and their keys) do not
+    assert gate.can_stage_prefill(first, [])
+    assert not gate.can_stage_prefill(second, [first])  # the round ends here (NO_TOKEN)
+    # After the adder: the round's batch takes its rows and is promised the rest.
+    r = h.free_reqs.pop()
+    h.r2t.free_slots.remove(r)
+    seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
+    locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), n)
+    h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
+    h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
+    h.write_rows(locs, h.kv[r])
+    first.kv.req_pool_idx = r
+    gate.prepare_extend(_batch([first]))
+    assert not gate.on_scheduler_iteration()  # nothing freed since the round
+    # Its first decode step admits it; the backup of its prompt pays for its slots and frees the
+    # staged rows beyond its 3-page promise: now the second prompt fits, and is retried.
+    h.coord.admit(r, n)
+    h.coord.drain()
+    assert h.coord.requests[r].has_slots
+    assert gate.on_scheduler_iteration() and not gate.on_scheduler_iteration()
+    assert gate.can_stage_prefill(second, [])
+    assert h.coord.admission.prefill_waits == 1
     h.finish_all()
 
 

@@ -32,6 +32,7 @@ import random
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Iterator, List
 
 import psutil
@@ -432,6 +433,12 @@ CANNOT_FIT = COMMON + context(CONTEXT) + SMALL_GPU + offload(sparse_slots_per_re
 LONG_CONTEXT = COMMON + context(8192) + ["--max-total-tokens", "2048"] + offload()
 
 
+def decode_record(log_path: Path) -> Path:
+    """Where a server logging to ``log_path`` records its decode calls
+    (``KV_OFFLOAD_TEST_RECORD_DECODE``, standins/kv_offload_faults.py)."""
+    return log_path.with_name(log_path.stem + "_decode_calls.jsonl")
+
+
 class TestSingleServers:
     """Servers that each check one thing, started side by side."""
 
@@ -440,7 +447,11 @@ class TestSingleServers:
         logs = tmp_path_factory.mktemp("singles")
         corrupt = {"KV_OFFLOAD_TEST_CORRUPT_LOADS": "1"}
         servers = {
-            "no_overlap": TinyServer(ON + ["--disable-overlap-schedule"], logs / "no_overlap.log"),
+            "no_overlap": TinyServer(
+                ON + ["--disable-overlap-schedule"],
+                logs / "no_overlap.log",
+                {"KV_OFFLOAD_TEST_RECORD_DECODE": str(decode_record(logs / "no_overlap.log"))},
+            ),
             "corrupt": TinyServer(ON, logs / "corrupt.log", corrupt),
             "cannot_fit": TinyServer(CANNOT_FIT, logs / "cannot_fit.log"),
             "long_context": TinyServer(LONG_CONTEXT, logs / "long_context.log"),
@@ -458,6 +469,33 @@ class TestSingleServers:
         server.wait_ready()
         prompts = [prompt(n, 400 + n) for n in (300, 700)]
         assert_same_batch(off, server, prompts, 24)
+        server.wait_no_leak()
+
+    def test_backend_offload_branch_attends_the_adapters_rows(self, singles):
+        """What the borrowed sparse-attention coordinator slot makes the real DSA backend do,
+        observed (test-only recorder): in every decode forward each layer hands the adapter its
+        indexer's top-k as token positions of the request (-1 padded, below its length: the
+        unfused top-k), and that layer's sparse attention then reads exactly the rows the adapter
+        returned, layer after layer."""
+        server = singles["no_overlap"]
+        server.wait_ready()
+        path = decode_record(server.log_path)
+        start = path.stat().st_size if path.exists() else 0
+        new_tokens = 8
+        out = server.generate(prompt(900, 77), new_tokens)  # sparse: longer than its slots
+        assert len(tokens(out)[0]) == new_tokens
+        lines = path.read_bytes()[start:].decode().splitlines()
+        calls = [json.loads(line) for line in lines]
+        assert calls and len(calls) % 2 == 0, calls[-3:]
+        per_layer = {}
+        for swap, attend in zip(calls[::2], calls[1::2]):
+            assert (swap["call"], attend["call"]) == ("swap_in", "attend"), (swap, attend)
+            assert attend["layer"] == swap["layer"] and attend["table"] == swap["out"]
+            assert len(swap["shape"]) == 2 and swap["positions"] and swap["selected"] > 0, swap
+            per_layer[swap["layer"]] = per_layer.get(swap["layer"], 0) + 1
+        # Every layer, once per decode forward (the first token comes from the prefill).
+        assert sorted(per_layer) == list(range(LAYERS)), per_layer
+        assert set(per_layer.values()) == {new_tokens - 1}, per_layer
         server.wait_no_leak()
 
     def test_negative_control_corrupted_loads_change_tokens(self, main_pair, singles):

@@ -8,6 +8,12 @@ Enabled per server process by environment variables (see ``sitecustomize.py``):
   servers side by side (pools of a few MB) on a 24 GiB machine, where the servers' own memory
   can leave less than 10 GiB available (seen in CI as a start-up ``HostPoolSizeError``).
 
+* ``KV_OFFLOAD_TEST_RECORD_DECODE=PATH``: a JSON line is appended to ``PATH`` for every call of
+  the DSA backend's offload branch in a decode forward: ``swap_in`` (the adapter's
+  ``swap_in_selected_pages``: the layer, the top-k's shape, whether every entry is a token
+  position of its row or -1, and the returned tensor's address) and ``attend`` (the fp8 sparse
+  attention, ``_forward_flashmla_kv``: the layer and the address of the page table it reads), so a
+  test can check what the backend does with the adapter, not only what it calls.
 * ``KV_OFFLOAD_TEST_CORRUPT_LOADS=1``: every row loaded host -> device comes from the next host
   slot instead of its own (the negative control: the token comparison must then fail).
 * ``KV_OFFLOAD_TEST_FORWARD_DELAY_CYCLES=N`` (CUDA): every forward first spins ``N`` GPU cycles on
@@ -23,6 +29,8 @@ Enabled per server process by environment variables (see ``sitecustomize.py``):
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from typing import Callable, Dict
 
@@ -80,6 +88,78 @@ def _fail_transfer_on_trigger(path: str) -> Callable:
     return patch
 
 
+def _record_decode(path: str) -> Dict[str, Callable]:
+    def write(record: Dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def patch_adapter(module) -> None:
+        cls = module.DSAOffloadAdapter
+        swap_in = cls.swap_in_selected_pages
+
+        @functools.wraps(swap_in)
+        def recorded(self, req_pool_indices, seq_lens, topk_indices, layer_id):
+            rows = swap_in(self, req_pool_indices, seq_lens, topk_indices, layer_id)
+            topk = topk_indices.reshape(topk_indices.shape[0], -1).cpu()
+            positions = None  # a speculative verify's lengths are per draft token: not checked
+            if topk_indices.dim() == 2:
+                lens = seq_lens.cpu()[:, None]
+                positions = bool((((topk >= 0) & (topk < lens)) | (topk == -1)).all())
+            write(
+                {
+                    "call": "swap_in",
+                    "layer": int(layer_id),
+                    "shape": list(topk_indices.shape),
+                    "positions": positions,
+                    "selected": int((topk >= 0).sum()),
+                    "out": rows.data_ptr(),
+                }
+            )
+            return rows
+
+        cls.swap_in_selected_pages = recorded
+
+    def patch_backend(module) -> None:
+        cls = module.DeepseekSparseAttnBackend
+        forward_decode, attend = cls.forward_decode, cls._forward_flashmla_kv
+
+        @functools.wraps(forward_decode)
+        def decode(self, *args, **kwargs):
+            self._kv_offload_test_decoding = True
+            try:
+                return forward_decode(self, *args, **kwargs)
+            finally:
+                self._kv_offload_test_decoding = False
+
+        @functools.wraps(attend)
+        def recorded(self, *args, **kwargs):
+            if getattr(self, "_kv_offload_test_decoding", False):
+                table = kwargs["page_table_1"]
+                write(
+                    {"call": "attend", "layer": kwargs["layer"].layer_id, "table": table.data_ptr()}
+                )
+            return attend(self, *args, **kwargs)
+
+        cls.forward_decode, cls._forward_flashmla_kv = decode, recorded
+
+    return {
+        "sglang.srt.layers.attention.dsa_offload.adapter": patch_adapter,
+        "sglang.srt.layers.attention.dsa_backend": patch_backend,
+    }
+
+
+def _chain(patches: Dict[str, Callable], name: str, patch: Callable) -> None:
+    """Add ``patch`` for module ``name`` after the one already registered, if any."""
+    first = patches.get(name)
+
+    def both(module) -> None:
+        if first is not None:
+            first(module)
+        patch(module)
+
+    patches[name] = both
+
+
 def _host_reserve(gb: float) -> Callable:
     def patch(module) -> None:
         module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(gb * (1 << 30))
@@ -101,6 +181,10 @@ def register(patches: Dict[str, Callable]) -> None:
         patches["sglang.srt.model_executor.model_runner"] = _delay_forwards(cycles)
     if os.environ.get("KV_OFFLOAD_TEST_DROP_FORWARD_ORDERING") == "1":
         patches["sglang.srt.mem_cache.sparsity.kv_offload.coordinator"] = _drop_forward_ordering
+    record = os.environ.get("KV_OFFLOAD_TEST_RECORD_DECODE")
+    if record:
+        for name, patch in _record_decode(record).items():
+            _chain(patches, name, patch)
     fail_transfer = os.environ.get("KV_OFFLOAD_TEST_FAIL_TRANSFER_FILE")
     if fail_transfer:
         patches["sglang.srt.disaggregation.decode"] = _fail_transfer_on_trigger(fail_transfer)

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
+from sglang.srt.utils.common import ceil_align
 
 
 def stays_resident(
@@ -26,13 +27,7 @@ def stays_resident(
     """The resident rule: a request that may reach ``final_len`` positions (plus ``lookahead``
     positions allocated ahead) keeps its whole context on the GPU when that takes no more rows
     than going sparse would, its ``sparse_slots`` and its ``tail_pages``."""
-    pages = -(-(final_len + lookahead) // page_size)
-    return pages * page_size <= sparse_slots + tail_pages * page_size
-
-
-def round_up(n: int, page_size: int) -> int:
-    """``n`` rounded up to whole pages."""
-    return -(-n // page_size) * page_size
+    return ceil_align(final_len + lookahead, page_size) <= sparse_slots + tail_pages * page_size
 
 
 @dataclasses.dataclass
@@ -59,8 +54,8 @@ class OffloadedRequest:
         before that, those tail rows and its claimed prompt pages (rows whose backup is in flight
         are not subtracted: conservative)."""
         if self.resident:
-            return round_up(self.seq_len, page_size)
-        tail = max(0, round_up(self.seq_len, page_size) - self.backed_up_end)
+            return ceil_align(self.seq_len, page_size)
+        tail = max(0, ceil_align(self.seq_len, page_size) - self.backed_up_end)
         if self.has_slots:
             return slots + tail
         return tail + (self.own_pages.numel() if self.own_pages is not None else 0)
@@ -122,7 +117,7 @@ class AdmissionLedger:
         first decode token, whichever is more (the backup of those rows pays for its slots: see
         ``KVOffloadCoordinator._grant_slots``)."""
         if self.resident_len(final_len):
-            return round_up(final_len + self.lookahead, self.page_size)
+            return ceil_align(final_len + self.lookahead, self.page_size)
         return max(self.sparse_rows, prompt_rows + self.page_size + self.lookahead)
 
     def reserve(
@@ -156,10 +151,10 @@ class AdmissionLedger:
         """Physical rows request ``req_pool_idx`` is promised and does not hold yet."""
         r = int(req_pool_idx)
         final, staged, prompt = self._promises.get(r, (0, 0, 0))
-        promise = self.promise_rows(final, round_up(prompt, self.page_size))
+        promise = self.promise_rows(final, ceil_align(prompt, self.page_size))
         req = self.requests.get(r)
         if req is None:  # staged: its prompt rows so far
-            held = round_up(staged, self.page_size)
+            held = ceil_align(staged, self.page_size)
         else:
             held = req.held_rows(self.page_size, int(self.sparse_cache.num_slots_cpu[r]))
         return max(0, promise - held)
@@ -172,11 +167,16 @@ class AdmissionLedger:
         """Whether new requests fit beside the live ones: ``prompts`` are ``(staging rows, logical
         locs, final length)`` each, the rows its prompt stages on the GPU (0 when it arrives on the
         host), the logical locs it takes and the length it may reach."""
+        return self.allocator.fits(*self.stage_cost(prompts))
+
+    def stage_cost(self, prompts: Sequence[Tuple[int, int, int]]) -> Tuple[int, int]:
+        """(physical rows, logical locs) such new requests take from the room beside the live
+        ones once staged and promised (``prompts`` as in :meth:`can_stage`)."""
         rows = logical = 0
         for staging, locs, final in prompts:
             rows += self._stage_rows(staging, final)
             logical += locs
-        return self.allocator.fits(rows, logical)
+        return rows, logical
 
     def can_ever_stage(self, staging: int, locs: int, final_len: int) -> bool:
         """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
@@ -186,7 +186,7 @@ class AdmissionLedger:
 
     def _stage_rows(self, staging: int, final_len: int) -> int:
         """Rows a new prompt takes at most: its ``staging`` rows, or its promise if more."""
-        prompt_rows = round_up(staging, self.page_size)
+        prompt_rows = ceil_align(staging, self.page_size)
         return staging + max(0, self.promise_rows(final_len, prompt_rows) - prompt_rows)
 
     def count_prefill_wait(self) -> None:

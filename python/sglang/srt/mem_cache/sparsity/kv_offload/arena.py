@@ -213,10 +213,14 @@ class UnitArena:
         self.pinned = np.zeros(layout.num_units + 1, dtype=np.int64)
         self.physical: Optional["ArenaPagedAllocator"] = None
         self.logical: Optional["ArenaPagedAllocator"] = None
-        self.listeners: List[RelocationListener] = []
+        self.listeners: List[RelocationListener] = []  # add_listener
         # Free pages each side must keep while the other is granted units (see ensure).
         self._keep = {PHYSICAL: 0, LOGICAL: 0}
         self.stats = {"units_to_physical": 0, "units_to_logical": 0, "evacuated_pages": 0}
+
+    def add_listener(self, listener: RelocationListener) -> None:
+        """Ask ``listener`` before, and tell it after, every move of physical rows."""
+        self.listeners.append(listener)
 
     # ------------------------------------------------------------------ page ids
     def pages_of(self, kind: int, units: Sequence[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from sglang.srt.configs.model_config import (
     get_dsa_index_topk,
     is_deepseek_dsa,
 )
+from sglang.srt.utils.common import ceil_align
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class KVOffloadConfig:
                 self.sparse_slots_per_req >= index_topk,
                 f"sparse_slots_per_req={self.sparse_slots_per_req} is smaller than the model's "
                 f"index_topk={index_topk}: every selected token needs a slot; set it to at least "
-                f"{_round_up(index_topk, PAGE_SIZE)}",
+                f"{ceil_align(index_topk, PAGE_SIZE)}",
             )
         _require(
             self.sparse_slots_per_req <= MAX_SLOTS_PER_REQ,
@@ -169,10 +170,6 @@ def _no_duplicate_keys(pairs) -> Dict[str, Any]:
             "value. Set each key once."
         )
     return dict(pairs)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
 
 
 def _require(ok: bool, message: str) -> None:

@@ -38,12 +38,7 @@ from sglang.srt.mem_cache.sparsity.kv_offload.admission import (
     AdmissionLedger,
     OffloadedRequest,
 )
-from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import (
-    ERR_MISS_NOT_ON_HOST,
-    ERR_SLOT_OVERFLOW,
-    STAT_NAMES,
-    PlanWorkspace,
-)
+from sglang.srt.mem_cache.sparsity.kv_offload.lru_kernels import PlanReport, PlanWorkspace
 from sglang.srt.mem_cache.sparsity.kv_offload.sparse_cache import SparseCacheState
 
 logger = logging.getLogger(__name__)
@@ -124,18 +119,8 @@ class KVOffloadCoordinator:
         self._restored: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.status_log_interval = status_log_interval
         self.decode_steps = 0
-        # The plan's counters and error flags, copied to the host after each step's forward and
-        # read one step later, so reading them never waits for the device.
-        self._device_report = torch.zeros(
-            (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self.device.type == "cuda"
-        )
-        self._device_report_event: Optional[torch.cuda.Event] = None
-        self._error_flags_seen = 0
+        self.report = PlanReport(self.workspace, controller.mem_pool_device.row_bytes)
         self._serving = False
-        # The allocator keeps the rows promised out of the logical budget, and the arena asks
-        # before it moves physical rows this state holds.
-        allocator.physical_owed = self.admission.owed_rows
-        allocator.arena.listeners.append(self)
         self.initial_free = self.allocator.free_counts()
         self.stats = {
             "admitted": 0,
@@ -311,9 +296,9 @@ class KVOffloadCoordinator:
         if self.status_log_interval and self.decode_steps % self.status_log_interval == 0:
             logger.info("%s", self.status_line())
         failed: List[Tuple[int, str]] = []
-        new_errors = self._read_device_report()
+        new_errors = self.report.new_errors()
         if new_errors:
-            reason = self._describe_errors(new_errors)
+            reason = self.report.describe(new_errors)
             logger.error("kv_offload: %s; failing the %d running requests", reason, len(seq_lens))
             failed = [(int(r), reason) for r in req_pool_indices]
         reqs = []
@@ -329,7 +314,7 @@ class KVOffloadCoordinator:
                 failed.append((req.req_pool_idx, self._no_slots_reason(req)))
             reqs.append(req)
         self._start_backups(reqs)
-        self._launch_device_report()
+        self.report.launch()
         return failed
 
     def status_line(self) -> str:
@@ -538,9 +523,7 @@ class KVOffloadCoordinator:
         if self._serving:
             return
         self._serving = True
-        self.workspace.reset_errors()
-        self.workspace.stats.zero_()
-        self._device_report.zero_()
+        self.report.reset()
 
     def _grant_slots(self, req: OffloadedRequest) -> bool:
         """Slots for ``req``'s context; False only when it holds slots that could not grow (it
@@ -590,44 +573,6 @@ class KVOffloadCoordinator:
             "--max-running-requests"
         )
 
-    @staticmethod
-    def _describe_errors(flags: int) -> str:
-        parts = []
-        if flags & ERR_SLOT_OVERFLOW:
-            parts.append("a request's top-k needed more sparse slots than it holds")
-        if flags & ERR_MISS_NOT_ON_HOST:
-            parts.append("a top-k token was neither on the GPU nor backed up on the host")
-        return "kv offload plan error (" + "; ".join(parts) + ")"
-
-    def _launch_device_report(self) -> None:
-        """Copy the plan counters and error flags to the host behind the coming forward."""
-        # Layout: the stats, then the error flags.
-        n = len(STAT_NAMES)
-        report = self._device_report
-        report[:n].copy_(self.workspace.stats, non_blocking=True)
-        report[n:].copy_(self.workspace.error_flags, non_blocking=True)
-        if self.device.type == "cuda":
-            self._device_report_event = torch.cuda.Event()
-            self._device_report_event.record()
-
-    def _read_device_report(self) -> int:
-        """Error flags first seen in the last completed report (0 if none or not ready)."""
-        event = self._device_report_event
-        if event is not None and not event.query():
-            return 0
-        flags = int(self._device_report[-1])
-        new = flags & ~self._error_flags_seen
-        self._error_flags_seen |= flags
-        return new
-
-    def device_counters(self) -> Dict[str, int]:
-        """The plan's running counters as of the last completed report (no device sync)."""
-        values = self._device_report.tolist()
-        n = len(STAT_NAMES)
-        out = dict(zip(STAT_NAMES, values[:n]))
-        out["loaded_bytes"] = out["loaded"] * self.controller.mem_pool_device.row_bytes
-        return out
-
     def offload_state(self) -> Dict[str, object]:
         """What ``GET /get_server_info`` reports as ``internal_states[i]["kv_offload"]``: free
         counts now and at start (equal when nothing leaked), live requests and counters.
@@ -647,9 +592,9 @@ class KVOffloadCoordinator:
             "arena": self.allocator.arena.state(),
             "resident_requests": sum(r.resident for r in self.requests.values()),
             "decode_steps": self.decode_steps,
-            "error_flags": self._error_flags_seen,
+            "error_flags": self.report.error_flags_seen,
             **self.stats,
-            **self.device_counters(),
+            **self.report.counters(),
         }
 
     def _start_backups(self, reqs: Iterable[OffloadedRequest]) -> None:

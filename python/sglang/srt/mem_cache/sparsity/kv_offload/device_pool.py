@@ -254,8 +254,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
 
     ``kv_offload`` is the server's :class:`~.hooks.KVOffloadHooks`, set by
     ``runtime.init_offload``: upstream's hooks reach kv offload through the allocator they
-    already hold. ``physical_owed`` (also set there) returns the physical rows live requests are
-    promised and do not hold yet; the logical budget keeps them free.
+    already hold. :meth:`attach` (also there) connects the admission ledger and the coordinator.
     """
 
     kv_offload: Optional[KVOffloadHooks] = None
@@ -301,7 +300,7 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         )
         self.arena.logical = self.logical_attn_allocator
         self.arena.physical = self.hisparse_attn_allocator
-        self.arena.listeners.append(self)
+        self.arena.add_listener(self)
         self.physical_owed: Callable[[], int] = lambda: 0
         # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
         self.full_to_hisparse_device_index_mapping = torch.cat(
@@ -325,6 +324,14 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         self._kvcache.register_loc_to_host(weakref.proxy(self.loc_to_host))
 
     # ------------------------------------------------------------------ wiring / views
+    def attach(self, physical_owed: Callable[[], int], relocation_listener) -> None:
+        """Connect the scheduler side: ``physical_owed`` returns the physical rows live requests
+        are promised and do not hold yet (the logical budget keeps them free); the
+        ``relocation_listener`` (an ``arena.RelocationListener``: the coordinator, whose state
+        holds physical rows) is asked before and told after the arena moves physical rows."""
+        self.physical_owed = physical_owed
+        self.arena.add_listener(relocation_listener)
+
     def register_host_pool(self, host_pool) -> None:
         """Lets ``free`` return host slots; ``host_pool`` is a ``KVOffloadHostPool``."""
         self.host_pool = host_pool

@@ -33,7 +33,7 @@ stale miss list is never replayed.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 import triton
@@ -393,6 +393,63 @@ class PlanWorkspace:
 
     def reset_errors(self) -> None:
         self.error_flags.zero_()
+
+
+class PlanReport:
+    """The host's view of a :class:`PlanWorkspace`'s counters and error flags: copied to the host
+    behind each decode step's forward (:meth:`launch`) and read one step later, so reading them
+    never waits for the device."""
+
+    def __init__(self, workspace: PlanWorkspace, row_bytes: int) -> None:
+        self.workspace = workspace
+        self.row_bytes = row_bytes  # bytes of one loaded row (``loaded_bytes``)
+        on_gpu = workspace.stats.device.type == "cuda"
+        # Layout: the stats, then the error flags.
+        self._report = torch.zeros((len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=on_gpu)
+        self._event: Optional[torch.cuda.Event] = None
+        self.error_flags_seen = 0
+
+    def reset(self) -> None:
+        """Forget what came before (the CUDA-graph capture warm-ups plan dummy rows of a request
+        with no slots)."""
+        self.workspace.reset_errors()
+        self.workspace.stats.zero_()
+        self._report.zero_()
+
+    def launch(self) -> None:
+        """Copy the counters and error flags to the host behind the coming forward."""
+        n = len(STAT_NAMES)
+        self._report[:n].copy_(self.workspace.stats, non_blocking=True)
+        self._report[n:].copy_(self.workspace.error_flags, non_blocking=True)
+        if self.workspace.stats.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def new_errors(self) -> int:
+        """Error flags first seen in the last completed report (0 if none or not ready)."""
+        if self._event is not None and not self._event.query():
+            return 0
+        flags = int(self._report[-1])
+        new = flags & ~self.error_flags_seen
+        self.error_flags_seen |= flags
+        return new
+
+    def counters(self) -> Dict[str, int]:
+        """The running counters as of the last completed report (no device sync)."""
+        values = self._report.tolist()
+        out = dict(zip(STAT_NAMES, values[: len(STAT_NAMES)]))
+        out["loaded_bytes"] = out["loaded"] * self.row_bytes
+        return out
+
+    @staticmethod
+    def describe(flags: int) -> str:
+        """What error ``flags`` mean, for the requests' error and the log."""
+        parts = []
+        if flags & ERR_SLOT_OVERFLOW:
+            parts.append("a request's top-k needed more sparse slots than it holds")
+        if flags & ERR_MISS_NOT_ON_HOST:
+            parts.append("a top-k token was neither on the GPU nor backed up on the host")
+        return "kv offload plan error (" + "; ".join(parts) + ")"
 
 
 def plan_layer(

@@ -229,6 +229,7 @@ def init_offload(runner) -> None:
         if parallel.dp_rank is not None:
             labels["dp_rank"] = str(parallel.dp_rank)
         metrics = KVOffloadMetrics(labels)
+    allocator.attach(coordinator.admission.owed_rows, coordinator)
     allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
     runner.hisparse_coordinator = DSAOffloadAdapter(
         runner.req_to_token_pool.req_to_token,
@@ -303,7 +304,8 @@ class KVOffloadRuntime(KVOffloadHooks):
         # PD requests whose transfer lands in GPU rows: (first position, positions) pinned in the
         # arena until the transfer ends.
         self._gpu_prealloc: Dict[int, Tuple[int, int]] = {}
-        # The GPU room when the prefill gate last refused a prompt (_gpu_room).
+        # The GPU room (_gpu_room) the round in which the prefill gate last refused a prompt
+        # leaves, once the prompts it let through hold their rows.
         self._refused_room: Optional[Tuple[int, int]] = None
 
     # ------------------------------------------------------------------ scheduler
@@ -400,7 +402,12 @@ class KVOffloadRuntime(KVOffloadHooks):
             self._refused_room = None
             return True
         admission.count_prefill_wait()
-        self._refused_room = self._gpu_room()
+        # The prompts let through in this round take their rows after this refusal: the room to
+        # beat is what they leave (counted before they took them, their own admission, their
+        # backups freeing the staged rows down to their promises, would never beat it).
+        rows, logical = admission.stage_cost([p for r, p in zip(new, prompts) if r is not req])
+        free_rows, free_logical = self._gpu_room()
+        self._refused_room = (free_rows - rows, free_logical - logical)
         return False
 
     def _gpu_room(self) -> Tuple[int, int]:

@@ -33,6 +33,7 @@ from typing import List, NamedTuple, Optional, Protocol
 
 import torch
 from sglang.srt.mem_cache.sparsity.kv_offload.config import MAX_SLOTS_PER_REQ, PAGE_SIZE
+from sglang.srt.utils.common import ceil_align
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ class LayerState(NamedTuple):
     num_slots: torch.Tensor  # (R,) int32, shared by all layers
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 class SparseCacheState:
     """GPU LRU state of the sparse KV cache for all layers and request slots.
 
@@ -96,7 +93,7 @@ class SparseCacheState:
         page = getattr(allocator, "page_size", PAGE_SIZE)
         if page != PAGE_SIZE:
             raise ValueError(f"kv_offload sparse cache needs page_size {PAGE_SIZE}, got {page}")
-        max_slots = _round_up(buffer_slots, PAGE_SIZE)
+        max_slots = ceil_align(buffer_slots, PAGE_SIZE)
         if max_slots < topk:
             raise ValueError(
                 f"sparse buffer ({buffer_slots} slots/request) must hold a full top-k ({topk})"
@@ -130,7 +127,7 @@ class SparseCacheState:
     # ------------------------------------------------------------------ sizing
     def slots_for(self, context_len: int) -> int:
         """Slots a request of ``context_len`` tokens owns: ``min(buffer, context)`` page-rounded."""
-        return min(self.max_slots, _round_up(max(int(context_len), 1), PAGE_SIZE))
+        return min(self.max_slots, ceil_align(max(int(context_len), 1), PAGE_SIZE))
 
     def layer(self, layer_id: int) -> LayerState:
         return LayerState(
