@@ -782,6 +782,22 @@ def _batch(reqs):
     return SimpleNamespace(reqs=reqs)
 
 
+def _stage(h: Harness, gate: KVOffloadRuntime, req) -> int:
+    """A prefill batch of ``req`` (a :func:`_prompt`): a request row, its prompt's rows written,
+    its promise (``prepare_extend``). Returns the request row."""
+    n = len(req.full_untruncated_fill_ids)
+    r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
+    h.r2t.free_slots.remove(r)
+    seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
+    locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), n)
+    h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
+    h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
+    h.write_rows(locs, h.kv[r])
+    req.kv.req_pool_idx = r
+    gate.prepare_extend(_batch([req]))
+    return r
+
+
 def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     """A prompt prefilled in an earlier batch holds its request row and staged rows, and is promised
     its rows from its prefill (prepare_extend) until its first decode step admits it; the gate
@@ -799,16 +815,8 @@ def test_prefill_gate_promises_staged_prompts_no_decode_step_admitted_yet():
     )
     assert h.coord.admission.promise_rows(promise + 1) == promise
 
-    def stage(n):  # a prefill batch: the request row, the prompt's rows, the promise
-        r = h.free_reqs.pop()  # a request row (>= 1) the scheduler's pool hands out
-        h.r2t.free_slots.remove(r)
-        seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
-        locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), n)
-        h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
-        h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
-        h.write_rows(locs, h.kv[r])
-        gate.prepare_extend(_batch([_prompt(n, r, max_new=80)]))
-        return r
+    def stage(n):
+        return _stage(h, gate, _prompt(n, max_new=80))
 
     # A sparse prompt's staged rows count toward its promise: their backup pays for its slots,
     # so while staged it holds the more of them and its first decode page, or its promise.
@@ -863,16 +871,7 @@ def test_prefill_gate_retries_once_rows_beyond_the_refusing_round_are_freed():
     h.squeeze_physical(10 * P, owed=True)  # one staged prompt fits, two (and their keys) do not
     assert gate.can_stage_prefill(first, [])
     assert not gate.can_stage_prefill(second, [first])  # the round ends here (NO_TOKEN)
-    # After the adder: the round's batch takes its rows and is promised the rest.
-    r = h.free_reqs.pop()
-    h.r2t.free_slots.remove(r)
-    seq, z = torch.tensor([n]), torch.zeros(1, dtype=torch.int64)
-    locs = h.alloc.alloc_extend(z, z, seq, seq, torch.full((1,), -1), n)
-    h.r2t.req_to_token[r, :n] = locs.to(torch.int32)
-    h.kv[r] = [h.rand_rows(n) for _ in range(LAYERS)]
-    h.write_rows(locs, h.kv[r])
-    first.kv.req_pool_idx = r
-    gate.prepare_extend(_batch([first]))
+    r = _stage(h, gate, first)  # after the adder: the round's batch takes its rows
     assert not gate.on_scheduler_iteration()  # nothing freed since the round
     # Its first decode step admits it; the backup of its prompt pays for its slots and frees the
     # staged rows beyond its 3-page promise: now the second prompt fits, and is retried.
