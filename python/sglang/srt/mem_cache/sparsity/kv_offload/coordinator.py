@@ -98,7 +98,6 @@ class KVOffloadCoordinator:
         self.workspace = PlanWorkspace(
             max_bs, sparse_cache.topk, sparse_cache.max_slots, self.device
         )
-        self.tail_pages = tail_pages
         # Speculative target verify plans each request's ``verify_tokens`` top-k rows as one row
         # of their union (``DSAOffloadAdapter``), counting into the decode plan's counters.
         self.verify_workspace = (
