@@ -18,7 +18,7 @@ import dataclasses
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
-from sglang.srt.utils.common import ceil_align
+from sglang.srt.utils.common import ceil_align, ceil_div
 
 
 def stays_resident(
@@ -182,7 +182,7 @@ class AdmissionLedger:
         """Whether one such prompt (as in :meth:`can_stage`) fits the whole arena, empty."""
         page = self.page_size
         rows = self._stage_rows(staging, final_len)
-        return self.allocator.arena.layout.holds(-(-rows // page), -(-locs // page))
+        return self.allocator.arena.layout.holds(ceil_div(rows, page), ceil_div(locs, page))
 
     def _stage_rows(self, staging: int, final_len: int) -> int:
         """Rows a new prompt takes at most: its ``staging`` rows, or its promise if more."""

@@ -403,9 +403,11 @@ class PlanReport:
     def __init__(self, workspace: PlanWorkspace, row_bytes: int) -> None:
         self.workspace = workspace
         self.row_bytes = row_bytes  # bytes of one loaded row (``loaded_bytes``)
-        on_gpu = workspace.stats.device.type == "cuda"
+        self._on_gpu = workspace.stats.device.type == "cuda"
         # Layout: the stats, then the error flags.
-        self._report = torch.zeros((len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=on_gpu)
+        self._report = torch.zeros(
+            (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self._on_gpu
+        )
         self._event: Optional[torch.cuda.Event] = None
         self.error_flags_seen = 0
 
@@ -421,7 +423,7 @@ class PlanReport:
         n = len(STAT_NAMES)
         self._report[:n].copy_(self.workspace.stats, non_blocking=True)
         self._report[n:].copy_(self.workspace.error_flags, non_blocking=True)
-        if self.workspace.stats.device.type == "cuda":
+        if self._on_gpu:
             self._event = torch.cuda.Event()
             self._event.record()
 
