@@ -23,11 +23,12 @@ its KV token capacity (``max_total_num_tokens`` of ``GET /server_info``).
 top-k 2048) and a narrower MoE (``--experts``, each token still runs 8 routed + 1 shared expert
 of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the tiny model (CPU CI).
 
-``--profile-concurrency C`` also asks the server (through bench_serving's ``--profile
---profile-by-stage``) for a torch-profiler trace of ``--profile-steps`` decode steps at that
-concurrency and reports the GPU kernel time per step split into kv offload's launches and the rest
-(:func:`summarize_trace`). Upstream's by-stage profiler ends a decode capture at the next prefill
-batch, so only ``C = 1`` (no prompt admitted while another decodes) gives every server its steps.
+``--profile-concurrency C`` also asks the server (upstream's ``POST /start_profile`` with
+``num_steps``) for a torch-profiler trace of ``--profile-steps`` forward steps at that concurrency,
+once its decode batch first reaches ``--profile-batch`` requests (default ``C``; ``kind=B`` pairs
+give each server its own, e.g. the flag-off server's KV-bound batch), and reports the GPU kernel
+time per step split into kv offload's launches, HiSparse's and the rest, against the wall span of
+the steps (:func:`summarize_trace`).
 
 Results (``--out``) are rewritten after every point, so a run cut short keeps what it got; each
 server's log and each point's bench_serving output lie next to it.
@@ -45,6 +46,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 from pathlib import Path
@@ -149,12 +151,49 @@ def bench_serving_cmd(
         "--seed", str(a.seed), "--output-file", str(out_file),
         "--warmup-requests", "1", "--disable-tqdm",
     ]  # fmt: skip
-    if a.profile_concurrency == conc:
-        # By stage: the first ``--profile-steps`` prefill steps and then as many decode steps go
-        # to two traces; the decode one (``*-DECODE.trace.json*``) is summarized.
-        cmd += ["--profile", "--profile-by-stage", "--profile-num-steps", str(a.profile_steps)]
-        cmd += ["--profile-activities", "CPU", "GPU", "--profile-output-dir", str(profile_dir)]
     return cmd
+
+
+def profile_batch(a: argparse.Namespace, kind: str, conc: int) -> int:
+    """The decode batch at which ``kind``'s profile starts: its ``--profile-batch`` entry, else the
+    bare number given, else the concurrency."""
+    batch = conc
+    for item in filter(None, a.profile_batch.split(",")):
+        name, _, value = item.rpartition("=")
+        if name in ("", kind):
+            batch = int(value)
+            if name:
+                break
+    return max(1, min(batch, conc))
+
+
+def profile_when_batch(
+    server: Server, since: int, batch: int, prof_dir: Path, a, stop: threading.Event
+) -> Dict[str, Any]:
+    """Watch the log after byte ``since``; at the first decode line with ``batch`` or more running
+    requests, ask the server for a trace of the next ``--profile-steps`` forward steps. Returns
+    (filled in as it happens) the batch that started it and the server's answer."""
+    started: Dict[str, Any] = {}
+
+    def watch() -> None:
+        while not stop.is_set():
+            lines = parse_log(server.log_text()[since:])["decode_lines"]
+            hit = next((x for x in lines if x["running"] >= batch), None)
+            if hit is not None:
+                body = {
+                    "output_dir": str(prof_dir),
+                    "num_steps": a.profile_steps,
+                    "activities": ["GPU"],  # a small trace: its export pauses the server
+                    "with_stack": False,
+                    "record_shapes": False,
+                }
+                started["running"] = hit["running"]
+                started["answer"] = http("POST", server.url + "/start_profile", body, timeout=60)
+                return
+            stop.wait(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return started
 
 
 def running_stats(log_text: str, since: int) -> Dict[str, Any]:
@@ -183,8 +222,9 @@ def wait_for_log(server: Server, text: str, since: int, timeout: float) -> bool:
 
 
 def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
-    """GPU kernel time of a torch-profiler chrome trace: per decode step in all, kv offload's and
-    HiSparse's kernels apart, the ten largest kernels, and the wall span of the kernels."""
+    """GPU kernel time of a torch-profiler chrome trace, per step: in all, kv offload's and
+    HiSparse's kernels apart, the time some kernel runs (busy) and the wall span of the kernels
+    (span less busy: the GPU waited on the host); and the ten largest kernels."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
@@ -201,6 +241,11 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
     span = (
         max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels) if kernels else 0
     )
+    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams overlap)
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
     per = max(1, steps)
     return {
         "trace": os.path.basename(path),
@@ -209,6 +254,7 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
         "kernel_us_per_step": total / per,
         "offload_us_per_step": share(OFFLOAD_KERNELS) / per,
         "hisparse_us_per_step": share(HISPARSE_KERNELS) / per,
+        "busy_us_per_step": busy / per,
         "span_us_per_step": span / per,
         "top_kernels": [
             [name[:80], len(v), round(sum(v) / per, 1), round(statistics.median(v), 1)]
@@ -271,6 +317,11 @@ def run_server(
             out_file.unlink(missing_ok=True)
             since = len(server.log_text())
             cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, prof_dir, a)
+            profiling = a.profile_concurrency == conc
+            stop = threading.Event()
+            if profiling:
+                batch = profile_batch(a, kind, conc)
+                started = profile_when_batch(server, since, batch, prof_dir, a, stop)
             t0 = time.time()
             proc = subprocess.run(
                 cmd,
@@ -291,15 +342,17 @@ def run_server(
                 row = json.loads(out_file.read_text().strip().splitlines()[-1])
                 point.update({k: row.get(k) for k in BENCH_KEYS})
             point.update(running_stats(server.log_text(), since))
-            if a.profile_concurrency == conc:
-                # The server writes the trace after the client returns ("Profiling done").
-                wait_for_log(server, "Profiling done", since, timeout=180.0)
-                traces = sorted(
-                    glob.glob(str(prof_dir / "**" / "*DECODE*.trace.json*"), recursive=True)
-                )
-                point["profile"] = (
-                    summarize_trace(traces[-1], a.profile_steps) if traces else "no trace written"
-                )
+            stop.set()
+            if profiling:
+                point["profile"] = {"batch": batch, "started": dict(started)}
+                if started and wait_for_log(server, "Profiling done", since, timeout=180.0):
+                    traces = sorted(
+                        glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True),
+                        key=os.path.getmtime,
+                    )
+                    point["profile"].update(summarize_trace(traces[-1], a.profile_steps))
+                else:
+                    point["profile"]["error"] = "no trace written"
             res["points"].append(point)
             print(f"[bench_serving_dsa] {kind} c={conc}: {json.dumps(point)[:600]}", flush=True)
         res["kv_offload_end"] = server.wait_settled(SETTLE_S, strict=False)
@@ -434,18 +487,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--min-prompts", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
-        "--profile-concurrency", type=int, default=0, help="1: profile the c=1 point; 0: none"
+        "--profile-concurrency", type=int, default=0, help="profile the point at this; 0: none"
+    )
+    p.add_argument(
+        "--profile-batch",
+        default="",
+        help="the decode batch that starts the profile: B, or kind=B pairs (off=6,offload=16); "
+        "default: the concurrency",
     )
     p.add_argument("--profile-steps", type=int, default=8)
     add_server_options(p, layers=8, max_running=64)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
-    if a.profile_concurrency and (a.profile_concurrency != 1 or 1 not in a.concurrency):
-        p.error(
-            f"--profile-concurrency {a.profile_concurrency}: only 1, with 1 in --concurrency "
-            "(upstream's by-stage profiler ends a decode capture at the next prefill batch)"
-        )
+    if a.profile_concurrency and a.profile_concurrency not in a.concurrency:
+        p.error(f"--profile-concurrency {a.profile_concurrency} is not in --concurrency")
     a.context_length = a.input_len + a.output_len + 64
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent

@@ -123,16 +123,52 @@ def test_trace_summary_splits_offload_kernels(tmp_path):
             {"cat": "kernel", "name": "_plan_layer_kernel", "ts": 0, "dur": 4},
             {"cat": "kernel", "name": "_copy_rows_kernel", "ts": 5, "dur": 6},
             {"cat": "kernel", "name": "gemm", "ts": 12, "dur": 30},
+            {"cat": "kernel", "name": "_copy_rows_kernel", "ts": 20, "dur": 2},  # another stream
             {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
         ]
     }
     path = tmp_path / "t.trace.json"
     path.write_text(bench_serving_dsa.json.dumps(trace))
     s = bench_serving_dsa.summarize_trace(str(path), steps=2)
-    assert s["kernels"] == 3
-    assert s["kernel_us_per_step"] == 20 and s["offload_us_per_step"] == 5
-    assert s["span_us_per_step"] == 21
+    assert s["kernels"] == 4
+    assert s["kernel_us_per_step"] == 21 and s["offload_us_per_step"] == 6
+    assert s["busy_us_per_step"] == 20 and s["span_us_per_step"] == 21  # 1 us idle at ts 4
     assert s["top_kernels"][0][:2] == ["gemm", 1]
+
+
+def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
+    """The profile starts at the first decode line whose batch reaches the server's own
+    ``--profile-batch`` entry (never above the concurrency), asking for ``--profile-steps``."""
+    a = bench_serving_dsa.argparse.Namespace(profile_batch="off=6,offload=16", profile_steps=8)
+    assert bench_serving_dsa.profile_batch(a, "off", 32) == 6
+    assert bench_serving_dsa.profile_batch(a, "offload", 8) == 8
+    assert bench_serving_dsa.profile_batch(a, "hisparse", 32) == 32
+    a.profile_batch = "4,off=2"
+    assert [bench_serving_dsa.profile_batch(a, k, 16) for k in ("off", "hisparse")] == [2, 4]
+
+    line = (
+        "Decode batch, #running-req: {}, #token: 1, token usage: 0.01, cuda graph: True, "
+        "gen throughput (token/s): 100.0, #queue-req: 0\n"
+    )
+    log = ["before " + line.format(9)]  # before ``since``: not counted
+    server = bench_serving_dsa.argparse.Namespace(url="http://x", log_text=lambda: "".join(log))
+    posted = []
+    monkeypatch.setattr(
+        bench_serving_dsa, "http", lambda method, url, body, timeout: posted.append(body) or "ok"
+    )
+    stop = bench_serving_dsa.threading.Event()
+    started = bench_serving_dsa.profile_when_batch(server, len(log[0]), 6, tmp_path, a, stop)
+    log.append(line.format(5))
+    bench_serving_dsa.time.sleep(1.2)
+    assert posted == [] and started == {}
+    log.append(line.format(7))
+    for _ in range(40):
+        if started:
+            break
+        bench_serving_dsa.time.sleep(0.25)
+    stop.set()
+    assert started == {"running": 7, "answer": "ok"}
+    assert posted[0]["num_steps"] == 8 and posted[0]["output_dir"] == str(tmp_path)
 
 
 def test_each_server_shares_the_time_left_after_it_started(tmp_path, monkeypatch):
