@@ -195,7 +195,7 @@ class KVOffloadCoordinator:
         mine = host == -1
         if bool(mine.any()):
             own = locs.view(-1, page)[mine.to(locs.device)].reshape(-1)
-            self.allocator.loc_to_host.index_fill_(0, own, HOST_CLAIMED)
+            self.allocator.set_host_locs(own, HOST_CLAIMED)
             req.own_pages = own
         self.stats["shared_prefix_tokens"] += int((~mine).sum()) * page
         return bool((host >= 0).any())
@@ -253,9 +253,9 @@ class KVOffloadCoordinator:
             tail_rows = physical[: n - full]
             page_locs = tail_locs[0] + torch.arange(page, device=tail_locs.device)
             host_page = host[full] + torch.arange(page, dtype=torch.int64)
-            self.allocator.full_to_hisparse_device_index_mapping[tail_locs] = tail_rows
+            self.allocator.map_rows(tail_locs, tail_rows)
             self.controller.load_rows(host_page[: n - full], tail_rows)
-            self.allocator.loc_to_host.index_fill_(0, page_locs, -1)
+            self.allocator.set_host_locs(page_locs, -1)
             self.controller.free_host_when_read(host_page)
         req = OffloadedRequest(
             req_pool_idx=r, seq_len=n, written_len=n, backed_up_end=full, has_slots=True
@@ -362,7 +362,7 @@ class KVOffloadCoordinator:
         logical = (first[:, None] + torch.arange(page)).reshape(-1).to(mapping.device)
         host = self.allocator.loc_to_host[logical]
         self.controller.load_rows(host, physical)
-        mapping[logical] = physical.to(mapping.dtype)
+        self.allocator.map_rows(logical, physical)
         self._restored.append((logical, physical))
         self.stats["restored_prefix_tokens"] += n
 
@@ -496,7 +496,7 @@ class KVOffloadCoordinator:
         self._start_backups([req])
         if req.own_pages is not None:
             # Unclaimed again, so that a later request with this prefix backs them up.
-            self.allocator.loc_to_host.index_fill_(0, req.own_pages, -1)
+            self.allocator.set_host_locs(req.own_pages, -1)
         if req.own_pages is not None or req.backed_up_end < req.written_len // self.page_size * (
             self.page_size
         ):

@@ -19,7 +19,7 @@ import logging
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -613,8 +613,22 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
             set_index_rows(kv.index_k_with_scale_buffer[i], locs, saved_index.to(self.device), kv)
 
     # ------------------------------------------------------------------ host bookkeeping
-    def set_host_locs(self, logical_locs: torch.Tensor, host_slots: torch.Tensor) -> None:
-        self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)
+    def set_host_locs(
+        self, logical_locs: torch.Tensor, host_slots: Union[torch.Tensor, int]
+    ) -> None:
+        """Record the host slot of each of ``logical_locs`` (-1: none; a scalar fills them all,
+        without a host->device copy)."""
+        if isinstance(host_slots, int):
+            self.loc_to_host.index_fill_(0, logical_locs, host_slots)
+        else:
+            self.loc_to_host[logical_locs] = host_slots.to(self.loc_to_host.device)
+
+    def map_rows(self, logical_locs: torch.Tensor, physical_rows: torch.Tensor) -> None:
+        """Point ``logical_locs`` at GPU rows the caller took from the physical allocator (a PD
+        decode tail, a cached prefix read back from the host); :meth:`release_physical` or
+        :meth:`free` gives them back."""
+        mapping = self.full_to_hisparse_device_index_mapping
+        mapping[logical_locs] = physical_rows.to(mapping.device, mapping.dtype)
 
     def release_physical(self, logical_locs: torch.Tensor) -> None:
         """Free the physical rows behind ``logical_locs`` (whole, page-aligned logical pages, as
