@@ -25,8 +25,9 @@ of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the 
 
 ``--profile-concurrency C`` also asks the server (upstream's ``POST /start_profile`` with
 ``num_steps``) for a torch-profiler trace of ``--profile-steps`` forward steps at that concurrency,
-once its decode batch first reaches ``--profile-batch`` requests (default ``C``; ``kind=B`` pairs
-give each server its own, e.g. the flag-off server's KV-bound batch), and reports the GPU kernel
+once its decode batch has held ``--profile-batch`` requests (default ``C``; ``kind=B`` pairs give
+each server its own, e.g. the flag-off server's KV-bound batch) for longer than the client's
+warm-up request decodes, and reports the GPU kernel
 time per step split into kv offload's launches, HiSparse's and the rest, against the wall span of
 the steps (:func:`summarize_trace`).
 
@@ -154,6 +155,10 @@ def bench_serving_cmd(
     return cmd
 
 
+# bench_serving's warm-up request decodes min(--output-len, 32) tokens, each a decode log line.
+WARMUP_DECODE_TOKENS = 32
+
+
 def profile_batch(a: argparse.Namespace, kind: str, conc: int) -> int:
     """The decode batch at which ``kind``'s profile starts: its ``--profile-batch`` entry, else the
     bare number given, else the concurrency."""
@@ -170,15 +175,21 @@ def profile_batch(a: argparse.Namespace, kind: str, conc: int) -> int:
 def profile_when_batch(
     server: Server, since: int, batch: int, prof_dir: Path, a, stop: threading.Event
 ) -> Dict[str, Any]:
-    """Watch the log after byte ``since``; at the first decode line with ``batch`` or more running
-    requests, ask the server for a trace of the next ``--profile-steps`` forward steps. Returns
-    (filled in as it happens) the batch that started it and the server's answer."""
+    """Watch the log after byte ``since``; once ``batch`` or more requests have been running for
+    more decode lines in a row than bench_serving's warm-up request decodes (so neither the warm-up
+    nor a prompt's prefill falls in the trace), ask the server for a trace of the next
+    ``--profile-steps`` forward steps. Returns (filled in as it happens) the batch that started
+    it and the server's answer."""
     started: Dict[str, Any] = {}
 
     def watch() -> None:
         while not stop.is_set():
-            lines = parse_log(server.log_text()[since:])["decode_lines"]
-            hit = next((x for x in lines if x["running"] >= batch), None)
+            run, hit = 0, None
+            for x in parse_log(server.log_text()[since:])["decode_lines"]:
+                run = run + 1 if x["running"] >= batch else 0
+                if run > WARMUP_DECODE_TOKENS:
+                    hit = x
+                    break
             if hit is not None:
                 body = {
                     "output_dir": str(prof_dir),

@@ -137,8 +137,10 @@ def test_trace_summary_splits_offload_kernels(tmp_path):
 
 
 def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
-    """The profile starts at the first decode line whose batch reaches the server's own
-    ``--profile-batch`` entry (never above the concurrency), asking for ``--profile-steps``."""
+    """The profile starts once the decode batch has held the server's own ``--profile-batch``
+    entry (never above the concurrency) for longer than the client's warm-up request decodes
+    (a profile started by the warm-up caught the first prompt's prefill), asking for
+    ``--profile-steps`` steps."""
     a = bench_serving_dsa.argparse.Namespace(profile_batch="off=6,offload=16", profile_steps=8)
     assert bench_serving_dsa.profile_batch(a, "off", 32) == 6
     assert bench_serving_dsa.profile_batch(a, "offload", 8) == 8
@@ -159,8 +161,11 @@ def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
     stop = bench_serving_dsa.threading.Event()
     started = bench_serving_dsa.profile_when_batch(server, len(log[0]), 6, tmp_path, a, stop)
     log.append(line.format(5))
+    log.append(line.format(6) * bench_serving_dsa.WARMUP_DECODE_TOKENS)  # the warm-up's length
+    log.append(line.format(5))
     bench_serving_dsa.time.sleep(1.2)
     assert posted == [] and started == {}
+    log.append(line.format(6) * bench_serving_dsa.WARMUP_DECODE_TOKENS)
     log.append(line.format(7))
     for _ in range(40):
         if started:
