@@ -194,7 +194,9 @@ def profile_when_batch(
                 body = {
                     "output_dir": str(prof_dir),
                     "num_steps": a.profile_steps,
-                    "activities": ["GPU"],  # a small trace: its export pauses the server
+                    # GPU only: a small trace, whose export pauses the server. A CPU server
+                    # (the tiny model in CI) has no GPU activity to record.
+                    "activities": ["GPU"] if a.on_gpu else ["CPU"],
                     "with_stack": False,
                     "record_shapes": False,
                 }
@@ -514,6 +516,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.profile_concurrency and a.profile_concurrency not in a.concurrency:
         p.error(f"--profile-concurrency {a.profile_concurrency} is not in --concurrency")
     a.context_length = a.input_len + a.output_len + 64
+    a.on_gpu = "gpu" in machine_info()
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)

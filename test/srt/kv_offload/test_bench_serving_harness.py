@@ -141,7 +141,9 @@ def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
     entry (never above the concurrency) for longer than the client's warm-up request decodes
     (a profile started by the warm-up caught the first prompt's prefill), asking for
     ``--profile-steps`` steps."""
-    a = bench_serving_dsa.argparse.Namespace(profile_batch="off=6,offload=16", profile_steps=8)
+    a = bench_serving_dsa.argparse.Namespace(
+        profile_batch="off=6,offload=16", profile_steps=8, on_gpu=False
+    )
     assert bench_serving_dsa.profile_batch(a, "off", 32) == 6
     assert bench_serving_dsa.profile_batch(a, "offload", 8) == 8
     assert bench_serving_dsa.profile_batch(a, "hisparse", 32) == 32
@@ -174,6 +176,7 @@ def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
     stop.set()
     assert started == {"running": 7, "answer": "ok"}
     assert posted[0]["num_steps"] == 8 and posted[0]["output_dir"] == str(tmp_path)
+    assert posted[0]["activities"] == ["CPU"]  # a CPU server records no GPU activity
 
 
 def test_each_server_shares_the_time_left_after_it_started(tmp_path, monkeypatch):
