@@ -183,13 +183,17 @@ def profile_when_batch(
     started: Dict[str, Any] = {}
 
     def watch() -> None:
+        pos, run = since, 0  # complete lines read so far; decode lines in a row at >= batch
         while not stop.is_set():
-            run, hit = 0, None
-            for x in parse_log(server.log_text()[since:])["decode_lines"]:
+            text = server.log_text()
+            end = text.rfind("\n", pos) + 1 or pos
+            hit = None
+            for x in parse_log(text[pos:end])["decode_lines"]:
                 run = run + 1 if x["running"] >= batch else 0
                 if run > WARMUP_DECODE_TOKENS:
                     hit = x
                     break
+            pos = end
             if hit is not None:
                 body = {
                     "output_dir": str(prof_dir),
@@ -516,7 +520,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.profile_concurrency and a.profile_concurrency not in a.concurrency:
         p.error(f"--profile-concurrency {a.profile_concurrency} is not in --concurrency")
     a.context_length = a.input_len + a.output_len + 64
-    a.on_gpu = "gpu" in machine_info()
     out_path = Path(a.out).resolve()
     out_dir = out_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -531,6 +534,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "decode_topk": f"replay, churn {a.topk_churn}" if a.topk_churn else "random weights",
         },
     }
+    a.on_gpu = "gpu" in report["machine"]
     run_servers(
         a, report, out_path, lambda kind, points_end: run_server(kind, a, out_dir, points_end)
     )
