@@ -472,7 +472,7 @@ class TestSingleServers:
         server.wait_no_leak()
 
     def test_backend_offload_branch_attends_the_adapters_rows(self, singles):
-        """What the borrowed sparse-attention coordinator slot makes the real DSA backend do,
+        """What the sparse-KV coordinator slot (patch 0005) makes the real DSA backend do,
         observed (test-only recorder): in every decode forward each layer hands the adapter its
         indexer's top-k as token positions of the request (-1 padded, below its length: the
         unfused top-k), and that layer's sparse attention then reads exactly the rows the adapter

@@ -1,12 +1,12 @@
 """The attention side of kv offload: one DSA decode layer's top-k -> sparse-buffer rows.
 
-``DeepseekSparseAttnBackend.forward_decode`` asks the model runner's sparse-attention coordinator
-(read when the backend is built) for the KV rows of each layer's selected tokens
-(``swap_in_selected_pages``, HiSparse's contract) and switches the decode indexer to unfused top-k
-(token positions) when one is installed; the model runner calls ``wait_for_pending_backup`` and
-sets ``num_real_reqs`` before every decode forward, as CUDA-graph capture and replay do. kv offload
-installs this adapter there (``runtime.init_offload``), so the backend needs no kv offload hook of
-its own.
+``DeepseekSparseAttnBackend.forward_decode`` asks the model runner's sparse-KV coordinator
+(``sparse_kv_coordinator``, read when the backend is built) for the KV rows of each layer's
+selected tokens (``swap_in_selected_pages``, the ``hooks.SparseKVCoordinator`` protocol that
+HiSparse's coordinator also provides) and switches the decode indexer to unfused top-k (token
+positions) when one is installed; the model runner calls ``wait_for_pending_backup`` and sets
+``num_real_reqs`` before every decode forward, as CUDA-graph capture and replay do. kv offload
+installs this adapter there (``runtime.init_offload``).
 
 Per layer, on the forward stream, two launches and no host sync (CUDA-graph safe: fixed shapes,
 device-side counts, no allocation):

@@ -11,15 +11,15 @@ Every call from an upstream file into kv offload goes through one of these:
   reached as ``token_to_kv_pool_allocator.kv_offload``: every upstream call site already holds the
   allocator, so no process-global state and no new plumbing is needed;
 * the attention side: ``DeepseekSparseAttnBackend`` reaches the sparse buffer through the model
-  runner's sparse-attention coordinator slot (``hisparse_coordinator``), which the model runner
-  and CUDA-graph replay keep current. kv offload installs
-  :class:`~sglang.srt.layers.attention.dsa_offload.adapter.DSAOffloadAdapter` there;
-  :class:`SparseKVCoordinator` is what upstream uses on it, which HiSparse's coordinator provides
-  too.
+  runner's sparse-KV coordinator slot (``sparse_kv_coordinator``, patch 0005), which the model
+  runner and CUDA-graph capture and replay keep current. kv offload installs
+  :class:`~sglang.srt.layers.attention.dsa_offload.adapter.DSAOffloadAdapter` there, HiSparse its
+  own coordinator; :class:`SparseKVCoordinator` is what upstream uses on it.
 
 ``test_hooks_contract.py`` checks the patch series against this file: every ``kv_offload.<name>(``
-call in a patch is a method below with the same arguments, and every attribute upstream's model
-side uses on the coordinator slot exists on the adapter.
+call in a patch is a method below with the same arguments, every attribute upstream's model side
+uses on the slot is a member of :class:`SparseKVCoordinator`, and the real DSA backend, built on
+CPU with the adapter in the slot, decodes through the adapter's rows (and without it, does not).
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class SparseKVCoordinator(Protocol):
-    """What upstream's DSA model side uses on its sparse-KV coordinator slot.
+    """What upstream's DSA model side uses on ``model_runner.sparse_kv_coordinator``.
 
     ``DeepseekSparseAttnBackend`` (read when built), ``ModelRunner`` and the decode CUDA-graph
-    runner use exactly these on ``model_runner.hisparse_coordinator``. Upstream's
-    ``HiSparseCoordinator`` provides them, and so does kv offload's ``DSAOffloadAdapter``;
-    ``test_hooks_contract.py`` checks both against the upstream sources. The slot's name is
-    HiSparse's: the upstream change that ends the borrowing is to name the slot for this protocol
-    (e.g. ``sparse_kv_coordinator: Optional[SparseKVCoordinator]``), which changes neither class.
+    runner use exactly these on the slot. Upstream's ``HiSparseCoordinator`` provides them (HiSparse
+    puts it in this slot and in its own ``hisparse_coordinator``), and so does kv offload's
+    ``DSAOffloadAdapter``; ``test_hooks_contract.py`` checks both against the upstream sources.
     """
 
     num_real_reqs: torch.Tensor

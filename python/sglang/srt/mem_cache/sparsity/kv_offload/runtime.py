@@ -165,7 +165,7 @@ def init_offload(runner) -> None:
 
     Builds the host pool, the controller, the GPU LRU and the coordinator over the allocator;
     installs :class:`KVOffloadRuntime` as ``allocator.kv_offload`` and the attention adapter as
-    ``runner.hisparse_coordinator`` (read by the attention backend when it is built, next), and
+    ``runner.sparse_kv_coordinator`` (read by the attention backend when it is built, next), and
     sets ``max_total_num_tokens`` to what the allocator reports free when idle.
     """
     allocator: KVOffloadTokenToKVPoolAllocator = runner.token_to_kv_pool_allocator
@@ -231,7 +231,7 @@ def init_offload(runner) -> None:
         metrics = KVOffloadMetrics(labels)
     allocator.attach(coordinator.admission.owed_rows, coordinator)
     allocator.kv_offload = KVOffloadRuntime(coordinator, runner.req_to_token_pool, metrics)
-    runner.hisparse_coordinator = DSAOffloadAdapter(
+    runner.sparse_kv_coordinator = DSAOffloadAdapter(
         runner.req_to_token_pool.req_to_token,
         allocator,
         sparse,
