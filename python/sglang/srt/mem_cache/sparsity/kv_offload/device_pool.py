@@ -121,10 +121,9 @@ def size_arena(
 class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
     """DSA pool whose KV rows and index pages are two views of one arena per layer (``sizing``).
 
-    Upstream ``HiSparseDSATokenToKVPool`` ties the logical size to the physical one with an integer
-    ratio; here both span the whole arena, so its ``__init__`` is skipped for
-    ``DSATokenToKVPool``'s (upstream could take an explicit index-buffer size there instead of the
-    ratio, and this class would call it). The two buffer hooks (``_create_buffers`` for the KV rows,
+    Both views span the whole arena, so the logical size (index keys) is given to
+    ``HiSparseDSATokenToKVPool`` explicitly (``logical_size``, patch 0002) instead of as an integer
+    multiple of the physical one. The two buffer hooks (``_create_buffers`` for the KV rows,
     ``_create_index_key_cache`` for the index pages) build the views. KV reads and writes by
     logical loc are translated through the HiSparse mapping (inherited).
 
@@ -154,9 +153,7 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         if layout.page_size != page_size:
             raise ValueError(f"arena page size {layout.page_size} != pool page size {page_size}")
         self.sizing = sizing
-        # Skip HiSparseDSATokenToKVPool.__init__: it derives index_buf_size from an integer ratio.
-        DSATokenToKVPool.__init__(
-            self,
+        super().__init__(
             size=layout.max_physical_pages * page_size,
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
@@ -169,17 +166,15 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
             kv_cache_dim=kv_cache_dim,
             start_layer=start_layer,
             end_layer=end_layer,
-            index_buf_size=(layout.index_pages - 1) * page_size,
             tail_extra_slots=tail_extra_slots,
             max_running_requests=max_running_requests,
+            logical_size=(layout.index_pages - 1) * page_size,
         )
-        if self.kv_cache_dim * self.store_dtype.itemsize != layout.row_bytes:
+        if self.bytes_per_token != layout.row_bytes:
             raise ValueError(
                 f"arena rows of {layout.row_bytes} B do not match the pool's "
-                f"{self.kv_cache_dim} x {self.store_dtype} KV rows"
+                f"{self.kv_cache_dim} x {self.dtype} KV rows"
             )
-        self.bytes_per_token = layout.row_bytes
-        self.data_strides = torch.full_like(self.data_ptrs, self.bytes_per_token)
         self.physical_size = layout.max_physical_pages * page_size
         self.logical_size = (layout.index_pages - 1) * page_size
         self.loc_to_host: Optional[torch.Tensor] = None
@@ -267,60 +262,44 @@ class KVOffloadTokenToKVPoolAllocator(HiSparseTokenToKVPoolAllocator):
         kvcache: KVOffloadDSATokenToKVPool,
         need_sort: bool,
     ):
-        # Skip HiSparseTokenToKVPoolAllocator.__init__: it sizes the logical space as an integer
-        # multiple of the physical one (size * host_to_device_ratio). Taking the logical size
-        # itself there (a keyword defaulting to that product) would let this call it.
-        layout = kvcache.sizing.layout
-        logical_size = kvcache.logical_size
-        physical_size = kvcache.physical_size
-        self._kvcache = kvcache
-        self._size_full = logical_size
-        self._size_hisparse = physical_size
-        self.compress_ratio = 1
-        self.dtype = dtype
-        self.device = device
-        self.page_size = page_size
-        self.need_sort = need_sort
-        # Speculative decoding's draft pages are logical locs with tail rows (runtime sizing pays
-        # for them); no HiSparse scratch.
-        self._spec_scratch_capacity = 0
-        self._spec_device_buffer_size = 0
+        # Read by clear(), which HiSparse's constructor calls.
         self.arena = UnitArena(
-            layout,
+            kvcache.sizing.layout,
             [kvcache.device_row_view(kvcache.start_layer + i) for i in range(kvcache.layer_num)],
             device,
         )
+        self.loc_to_host: Optional[torch.Tensor] = None
+        self.host_pool = None
+        super().__init__(
+            kvcache.physical_size,
+            page_size,
+            dtype,
+            device,
+            kvcache,
+            need_sort,
+            logical_size=kvcache.logical_size,
+        )
+        # The arena's page allocators take the place of HiSparse's two (same sizes): each holds
+        # pages of the units it owns and takes more from the other side when it runs short.
         paged_cls = current_platform.get_paged_allocator_cls() or PagedTokenToKVPoolAllocator
         args = (page_size, dtype, device, kvcache, need_sort)
         self.logical_attn_allocator = arena_paged_allocator(
-            paged_cls, self.arena, LOGICAL, logical_size, *args
+            paged_cls, self.arena, LOGICAL, self.logical_size, *args
         )
         self.hisparse_attn_allocator = arena_paged_allocator(
-            paged_cls, self.arena, PHYSICAL, physical_size, *args
+            paged_cls, self.arena, PHYSICAL, self.physical_size, *args
         )
         self.arena.logical = self.logical_attn_allocator
         self.arena.physical = self.hisparse_attn_allocator
         self.arena.add_listener(self)
         self.physical_owed: Callable[[], int] = lambda: 0
-        # Trailing -1 mirrors upstream: index -1 (padding) resolves to "no row".
-        self.full_to_hisparse_device_index_mapping = torch.cat(
-            [
-                torch.zeros(logical_size + page_size, dtype=torch.int64, device=device),
-                torch.tensor([-1], dtype=torch.int64, device=device),
-            ]
-        )
         self.loc_to_host = torch.full(
-            (logical_size + page_size + 1,), -1, dtype=torch.int64, device=device
+            (self.logical_size + page_size + 1,), -1, dtype=torch.int64, device=device
         )
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
-        self.host_pool = None
         # Host slots of cancelled backups, returned when their copy completes (controller.poll).
         self.host_pending_free = 0
-        self.free_pages = None
-        self.release_pages = None
-        self.free_group = None
         self.clear()
-        self._kvcache.register_mapping(weakref.proxy(self.full_to_hisparse_device_index_mapping))
         self._kvcache.register_loc_to_host(weakref.proxy(self.loc_to_host))
 
     # ------------------------------------------------------------------ wiring / views
