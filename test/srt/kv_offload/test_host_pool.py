@@ -43,7 +43,7 @@ def test_real_pool_bytes_per_token_61_layers(dtype_dim, row):
     pool = device_pool(layers=61, dtype_dim=dtype_dim, physical=64, logical=128)
     host = KVOffloadHostPool(pool, host_pool_ratio=1, host_reserve_bytes=0)
     n = pool.sizing.logical_tokens  # the arena's logical tokens when every unit is logical
-    assert host.get_size_per_token() == row * 61 == host.size_per_token
+    assert host.size_per_token == row * 61
     assert host.row_bytes == row
     assert host.size == n >= 128
     assert tuple(host.kv_buffer.shape[:2]) == (61, n)
@@ -57,7 +57,7 @@ def test_layout_and_row_view_share_memory(dtype_dim):
     host = KVOffloadHostPool(pool, host_size_gb=0.0002)  # 200 kB
     row = host.row_bytes
     assert host.size == int(200_000 // (row * 2)) // P * P
-    assert host.layout == "layer_first" and not host.pin_memory
+    assert not host.pin_memory
     assert host.kv_buffer.dtype == pool.store_dtype
     v = host.host_row_view(1)
     layer0 = host.kv_buffer[0].clone()  # the pool is torch.empty: compare, do not expect zeros
@@ -67,8 +67,8 @@ def test_layout_and_row_view_share_memory(dtype_dim):
     # Bytes, not values: the uninitialised pool may hold NaN bit patterns (NaN != NaN).
     assert torch.equal(host.kv_buffer[0].view(torch.uint8), layer0.view(torch.uint8))
     assert host.row_views[1].words.data_ptr() == host.kv_buffer[1].data_ptr()
-    # What pd_direct_to_host registers with Mooncake (upstream's method): a page of one layer
-    # per item, at the layer's rows.
+    # What pd_direct_to_host registers with Mooncake (as upstream MLATokenToKVPoolHost's): a page
+    # of one layer per item, at the layer's rows.
     ptrs, lens, items = host.get_contiguous_buf_infos()
     assert ptrs == [host.kv_buffer[i].data_ptr() for i in range(2)]
     assert lens == [host.size * row] * 2 and items == [P * row] * 2
@@ -108,6 +108,11 @@ def test_errors():
         host.alloc(65)
     with pytest.raises(RuntimeError, match="double free"):
         host.free(torch.arange(P))
+    a = host.alloc(2 * P)
+    host.free(a[:P])
+    with pytest.raises(RuntimeError, match=f"double free: freeing {P} slots \\({P} of them not"):
+        host.free(a[:P])  # the count still fits: the slots' own state tells
+    host.free(a[P:])
     with pytest.raises(HostPoolSizeError, match="host_pool_size_gb or host_pool_ratio"):
         KVOffloadHostPool(pool)
     with pytest.raises(HostPoolSizeError, match="at least one page"):

@@ -68,33 +68,3 @@ def test_hisparse_split_allocator_and_req_to_token():
     free_before = req_to_token.available_size()
     assert req_to_token.alloc([req]) == [req.kv.req_pool_idx]
     assert req_to_token.available_size() == free_before - 1
-
-
-def test_mla_host_pool_reports_one_page_per_transfer_item():
-    """kv offload's host pool keeps upstream's get_contiguous_buf_infos (Mooncake registration of
-    pd_direct_to_host): one item is a page of one layer, as on the GPU."""
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
-    device_pool = _dsa_pool()
-    host = MLATokenToKVPoolHost(
-        device_pool.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        PAGE,
-        "layer_first",
-        pin_memory=False,
-        override_kv_cache_dim=576,
-        device_capacity_tokens=device_pool.size,
-        start_layer=0,
-        end_layer=1,
-        target_layer_num=2,
-        host_token_capacity=8 * PAGE,
-    )
-    assert host.get_size_per_token() == 576 * 2 * 2  # KV only, bf16, 2 layers
-    ptrs, lens, items = host.get_contiguous_buf_infos()
-    assert len(ptrs) == 2 and lens == [8 * PAGE * 576 * 2] * 2
-    assert items == [PAGE * 576 * 2] * 2
-    slots = host.alloc(PAGE)
-    assert host.available_size() == 7 * PAGE and torch.unique(slots).numel() == PAGE
-    host.free(slots)
-    assert host.available_size() == 8 * PAGE

@@ -1,13 +1,11 @@
 """Pinned host pool holding the full latent KV of every running request (KV only, layer_first).
 
-Imported only when ``--enable-kv-offload`` is on: upstream ``pool_host.mla`` imports the
-``kvcacheio`` kernels at module level.
+Imported only when ``--enable-kv-offload`` is on.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from typing import List, Optional, Tuple
 
@@ -16,9 +14,8 @@ from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
 from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
 from sglang.srt.mem_cache.pool_host.common import (
     HostTensorAllocator,
-    get_allocator_from_storage,
+    alloc_with_host_register,
 )
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.sparsity.kv_offload.transfer import RowView
 
 logger = logging.getLogger(__name__)
@@ -59,17 +56,18 @@ def host_pool_tokens(
     return tokens // page_size * page_size
 
 
-class KVOffloadHostPool(MLATokenToKVPoolHost):
-    """``MLATokenToKVPoolHost`` restricted to kv_offload's needs.
+class KVOffloadHostPool:
+    """Host pool of kv offload: pinned memory, a page free list and the per-layer row views.
 
     * KV rows only (the indexer keys stay on the GPU): ``kv_cache_dim * itemsize`` bytes per token
       and layer, i.e. 656 B for the fp8 layout and 1152 B for bf16.
-    * ``layer_first`` so one layer of the pool is a contiguous ``(size, row_bytes)`` array the
-      UVA kernels index directly.
+    * ``layer_first`` ``(layers, size, 1, kv_cache_dim)``, so one layer of the pool is a contiguous
+      ``(size, row_bytes)`` array the UVA kernels index directly.
     * Allocation in whole pages of ``page_size`` (64) slots.
-    * Pinned with ``cudaHostRegister`` on GPU (upstream ``alloc_with_host_register``), plain memory
-      on CPU.
-    * Its memory comes from ``tensor_allocator`` when given: a
+    * Allocated with upstream HiCache's ``alloc_with_host_register``: pinned with
+      ``cudaHostRegister`` on GPU, plain memory on CPU.
+    * Its memory comes from ``tensor_allocator`` when given (else upstream's default
+      ``HostTensorAllocator``): a
       :class:`~.shared_host.NodeSharedHostAllocator` makes one pool per node that the node's TP
       ranks (the attention-TP group's under attention DP) share, only its first rank writing
       backups (``writes_backups``).
@@ -77,11 +75,13 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
       default), must hold ``pools_on_node`` such pools (one per attention-DP rank or DP
       replica), which are built at the same time.
 
-    ``MLATokenToKVPoolHost.__init__`` is replaced (not called): it sizes the pool from device-pool
-    buffer descriptors and a host/device ratio, takes its memory from an allocator named by a
-    string, budgets host RAM per rank (a node-shared pool is one copy for all ranks) with an
-    out-of-memory message naming the HiCache flags, and sets up write-back staging buffers
-    kv offload does not use. The attributes its inherited methods read are set here.
+    Not an ``MLATokenToKVPoolHost``: that one sizes from device-pool buffer descriptors and a
+    host/device ratio, takes its memory from an allocator named by a string, budgets host RAM per
+    rank (a node-shared pool is one copy for all ranks) with an out-of-memory message naming the
+    HiCache flags, and sets up transfer tables and write-back staging buffers kv offload does not
+    use; kv offload hands its pool to no upstream code. The free list follows upstream
+    ``HostKVCache``'s (freed slots are merged back lazily), and ``get_contiguous_buf_infos``
+    ``MLATokenToKVPoolHost``'s for ``layer_first``.
     """
 
     def __init__(
@@ -92,50 +92,31 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
         page_size: int = 64,
         ratio_base_tokens: Optional[int] = None,
         pin_memory: Optional[bool] = None,
-        allocator_type: str = "default",
         host_reserve_bytes: Optional[int] = None,
         tensor_allocator: Optional[HostTensorAllocator] = None,
         pools_on_node: int = 1,
     ):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        self.device_pool = device_pool
         self.page_size = page_size
-        self.layout = "layer_first"
-        self.device = "cpu"
         on_gpu = str(device_pool.device).startswith("cuda")
         self.pin_memory = on_gpu if pin_memory is None else pin_memory
         if self.pin_memory and not on_gpu:
             raise ValueError("pin_memory=True needs a CUDA device pool")
-        self.allocator = tensor_allocator or get_allocator_from_storage(allocator_type)
+        allocator = tensor_allocator or HostTensorAllocator()
         # Only the node's first rank writes a shared pool; its other ranks map what it allocated.
-        self.writes_backups = getattr(self.allocator, "is_writer", True)
-        self.shared_by_ranks = getattr(self.allocator, "ranks_per_node", 1)
-        self.pool_label = "kv_offload"
-        self.can_use_write_back_jit = False
-        self.override_kv_cache_dim = device_pool.kv_cache_dim
-        self.dtype = device_pool.store_dtype
-        self.kv_lora_rank = device_pool.kv_lora_rank
-        self.qk_rope_head_dim = device_pool.qk_rope_head_dim
-        self.kv_cache_dim = device_pool.kv_cache_dim
-        self.dsa_kv_cache_store_fp8 = self.dtype == torch.uint8
-        self.layer_num = self.target_layer_num = device_pool.layer_num
-        self._transfer_device = torch.device(device_pool.device)
-        self._native_buffers = None
-        self._is_dummy = False  # a real buffer, not upstream's allocator-only descriptor
-        self._size_per_token = host_kv_bytes_per_token(
-            self.kv_cache_dim * self.dtype.itemsize, self.layer_num
-        )
-        self.size_per_token = self._size_per_token
+        self.writes_backups = getattr(allocator, "is_writer", True)
+        self.shared_by_ranks = getattr(allocator, "ranks_per_node", 1)
+        layer_num = device_pool.layer_num
         self.start_layer = device_pool.start_layer
-        self.end_layer = device_pool.end_layer
+        self.row_bytes = device_pool.kv_cache_dim * device_pool.store_dtype.itemsize
+        self.size_per_token = host_kv_bytes_per_token(self.row_bytes, layer_num)
 
         if ratio_base_tokens is None:
             ratio_base_tokens = logical_capacity(device_pool)
         self.size = host_pool_tokens(
             self.size_per_token, page_size, host_size_gb, host_pool_ratio, ratio_base_tokens
         )
-        self.page_num = self.size // page_size
         if self.size < page_size:
             raise HostPoolSizeError(
                 f"kv_offload host pool holds {self.size} tokens (host_pool_size_gb={host_size_gb}, "
@@ -150,7 +131,13 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 host_size_gb, host_pool_ratio, host_reserve_bytes, pools_on_node
             )
 
-        self.kv_buffer = self.init_kv_buffer()
+        self.kv_buffer = alloc_with_host_register(
+            (layer_num, self.size, 1, device_pool.kv_cache_dim),
+            dtype=device_pool.store_dtype,
+            device="cpu",
+            pin_memory=self.pin_memory,
+            allocator=allocator,
+        )
         if self.pin_memory:
             # Upstream registers the buffer with cudaHostRegister and never unregisters it: its
             # pools live as long as the process. A pool that is dropped earlier (tests, benchmarks,
@@ -162,21 +149,13 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 self, _unpin_host_buffer, self.kv_buffer, torch.device(device_pool.device)
             )
             self._unpin.atexit = False  # the process exit releases everything anyway
-        self.lock = threading.RLock()
+        self.row_views: List[RowView] = [RowView(layer) for layer in self.kv_buffer]
         self.clear()
-
-        # What MLATokenToKVPoolHost.__init__ sets after the buffer (read by upstream helpers such
-        # as get_contiguous_buf_infos, which registers the pool with Mooncake one page per item).
-        self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)]
-        self.data_ptrs = torch.tensor(
-            [x.data_ptr() for x in self.data_refs], dtype=torch.uint64, device=device_pool.device
-        )
-        self.row_views: List[RowView] = [RowView(self.kv_buffer[i]) for i in range(self.layer_num)]
         logger.info(
             "kv_offload host pool: %d tokens x %d layers x %d B = %.2f GB (%s%s)",
             self.size,
-            self.layer_num,
-            self.token_stride_size,
+            layer_num,
+            self.row_bytes,
             self.size * self.size_per_token / GB,
             "pinned" if self.pin_memory else "pageable",
             f", one copy for {self.shared_by_ranks} ranks" if self.shared_by_ranks > 1 else "",
@@ -210,15 +189,33 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
             )
 
     # ------------------------------------------------------------------ views
-    @property
-    def row_bytes(self) -> int:
-        return self.token_stride_size
-
     def host_row_view(self, layer_id: int) -> torch.Tensor:
         """``(size, row_bytes) uint8`` view of one layer (what the kernels index)."""
         return self.kv_buffer[layer_id - self.start_layer].view(self.size, -1).view(torch.uint8)
 
+    def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
+        """``(data_ptrs, data_lens, item_lens)`` of the layers, one item a page of one layer, as
+        the device pool's (what ``pd_direct_to_host`` registers with the transfer engine)."""
+        layers = list(self.kv_buffer)
+        return (
+            [layer.data_ptr() for layer in layers],
+            [layer.nbytes for layer in layers],
+            [self.row_bytes * self.page_size] * len(layers),
+        )
+
     # ------------------------------------------------------------------ allocation
+    def clear(self) -> None:
+        """Every slot free."""
+        self.free_slots = torch.arange(self.size, dtype=torch.int64)
+        # Freed slots wait here and join free_slots only when an alloc needs them (no
+        # concatenation on every free).
+        self.release_slots: List[torch.Tensor] = []
+        self.num_release_slots = 0
+        self.slot_used = torch.zeros(self.size, dtype=torch.bool)
+
+    def available_size(self) -> int:
+        return len(self.free_slots) + self.num_release_slots
+
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """``need_size`` slots (CPU int64), in whole pages; ``None`` when the pool is full."""
         if need_size % self.page_size != 0:
@@ -226,16 +223,30 @@ class KVOffloadHostPool(MLATokenToKVPoolHost):
                 f"kv_offload host pool allocates whole pages: {need_size} tokens is not a "
                 f"multiple of page_size {self.page_size}; back up only complete pages"
             )
-        return super().alloc(need_size)
+        if need_size > self.available_size():
+            return None
+        if need_size > len(self.free_slots):
+            self.free_slots = torch.cat([self.free_slots, *self.release_slots])
+            self.release_slots, self.num_release_slots = [], 0
+        select = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        self.slot_used[select] = True
+        return select
 
     def free(self, indices: torch.Tensor) -> int:
-        with self.lock:
-            if self.available_size() + len(indices) > self.size:
-                raise RuntimeError(
-                    f"kv_offload host pool double free: freeing {len(indices)} slots with "
-                    f"{self.available_size()} of {self.size} already free"
-                )
-            return super().free(indices)
+        """Returns ``indices`` (slots from ``alloc``) to the pool; their number."""
+        indices = indices.cpu()
+        not_allocated = int((~self.slot_used[indices]).sum())
+        if not_allocated or self.available_size() + len(indices) > self.size:
+            raise RuntimeError(
+                f"kv_offload host pool double free: freeing {len(indices)} slots "
+                f"({not_allocated} of them not allocated) with {self.available_size()} of "
+                f"{self.size} already free"
+            )
+        self.slot_used[indices] = False
+        self.release_slots.append(indices)
+        self.num_release_slots += len(indices)
+        return len(indices)
 
 
 # Pinned buffers of dropped pools whose unpin had to wait: a pool collected while a CUDA graph is

@@ -257,7 +257,7 @@ def init_offload(runner) -> None:
         sizing.physical_rows,
         pool.row_bytes,
         host.size,
-        host.size * host.get_size_per_token() / 1e9,
+        host.size * host.size_per_token / 1e9,
         config.sparse_slots_per_req,
         config.sparse_slots_per_req,
     )
