@@ -16,10 +16,13 @@ SIGSTOPped mid-transfer) and the prefill server killed mid-transfer and restarte
 server has dropped it: see ``LOST_PREFILL``).
 
 Checked after every window, once the traffic has drained: a fixed greedy probe (sent alone) gives
-the tokens it gave first; every request got a response or an error with a message (a 4xx for
-malformed ones, a 5xx or no answer only while a fault was active); every free count of
-``/server_info`` is back at its start, nothing promised, no backup pending, the error flags 0;
-bytes loaded = rows loaded x the fp8 KV row (656 B), and the Prometheus counters say the same. At the end: no process of ours alive and no ``/dev/shm`` file named after one.
+the tokens it gave first; two prompts sent together decode for two retraction intervals and are
+retracted (so every window meets a retraction, whatever the traffic's luck); every request got a
+response or an error with a message (a 4xx for malformed ones, a 5xx or no answer only while a
+fault was active); every free count of ``/server_info`` is back at its start, nothing promised, no
+backup pending, the error flags 0; bytes loaded = rows loaded x the fp8 KV row (656 B), and the
+Prometheus counters say the same. At the end: no process of ours alive and no ``/dev/shm`` file
+named after one.
 
 Writes a JSON summary (requests served and errors by kind, faults, retractions, checks passed and
 failed) and exits 1 if any check failed.
@@ -86,6 +89,9 @@ START_TIMEOUT_S = 600  # a start on 2 busy cores can take minutes
 STALL_S = 4  # below upstream's PD heartbeat timeout (2 misses of 5 s): the transfer resumes
 PROBE = [(7 * i + 3) % 500 + 2 for i in range(300)]
 PROBE_TOKENS = 16
+# Two prompts decoding together for two retraction intervals (their prefill takes a few forwards):
+# the forward count passes a multiple of the interval while both run, so one is retracted.
+RETRACT_PROBE_TOKENS = 2 * int(RETRACT_ENV["SGLANG_TEST_RETRACT_INTERVAL"])
 KINDS = {  # request kind -> weight in the mix
     "generate": 30,
     "stream": 20,
@@ -123,6 +129,20 @@ def offload_args(config: Dict) -> List[str]:
 
 
 # ---------------------------------------------------------------------- checks (pure)
+def retraction_probe(status: Optional[int], out: object) -> Tuple[int, List[str]]:
+    """(retractions, problems) of the two-prompt retraction probe's answer: both complete, at
+    least one retraction (its tokens depend on where the retraction fell, so they are not
+    compared)."""
+    if status != 200 or not isinstance(out, list) or len(out) != 2:
+        return 0, [f"retraction probe got HTTP {status}: {str(out)[:300]}"]
+    lengths = [len(o.get("output_ids", [])) for o in out]
+    retracted = sum(o.get("meta_info", {}).get("num_retractions", 0) for o in out)
+    problems = [f"retraction probe gave {lengths} tokens, not {RETRACT_PROBE_TOKENS} each"]
+    if lengths == [RETRACT_PROBE_TOKENS] * 2:
+        problems = [] if retracted else ["retraction probe was never retracted"]
+    return retracted, problems
+
+
 def probe_problems(reference: Sequence[int], got: Sequence[int]) -> List[str]:
     if list(got) == list(reference):
         return []
@@ -581,10 +601,20 @@ def inject(fault: str, target: Target, tally: Tally, seed: int) -> None:
 
 # ---------------------------------------------------------------------- checkpoints and runs
 def checkpoint(target: Target, tally: Tally, reference: Optional[List[int]]) -> List[int]:
-    """Idle: leak, error flags, metrics and probe checks. Returns the probe's tokens."""
+    """Probes, then idle: leak, error flags and metrics checks. Returns the probe's tokens."""
     dead = [s.log_path.name for s in target.servers() if not s.alive()]
     if not tally.check("servers_alive", [f"{name}: server exited" for name in dead]):
         raise RuntimeError(f"a server exited: {dead}")
+    status, out = post(target.url, body(PROBE, PROBE_TOKENS))
+    tokens = out.get("output_ids", []) if status == 200 and isinstance(out, dict) else []
+    tally.check("probe_answered", [] if tokens else [f"probe got HTTP {status}: {out}"])
+    if reference is not None and tokens:
+        tally.check("probe_tokens", probe_problems(reference, tokens))
+    status, out = post(target.url, body([PROBE, PROBE[::-1]], RETRACT_PROBE_TOKENS))
+    retracted, problems = retraction_probe(status, out)
+    with tally.lock:
+        tally.retractions += retracted
+    tally.check("probe_retracted", problems)
     server = target.offload
     try:
         state = server.wait_no_leak(IDLE_TIMEOUT_S)
@@ -600,11 +630,6 @@ def checkpoint(target: Target, tally: Tally, reference: Optional[List[int]]) -> 
         time.sleep(1)
         state = server.offload_state()
     tally.check("metrics_add_up", problems)
-    status, out = post(target.url, body(PROBE, PROBE_TOKENS))
-    tokens = out.get("output_ids", []) if status == 200 and isinstance(out, dict) else []
-    tally.check("probe_answered", [] if tokens else [f"probe got HTTP {status}: {out}"])
-    if reference is not None and tokens:
-        tally.check("probe_tokens", probe_problems(reference, tokens))
     target.note_pids()
     return tokens
 

@@ -60,9 +60,27 @@ def test_soak_bounded_run(tmp_path):
         assert not failed, f"{mode}: {failed}"
         assert sum(result["served"].values()) > 0 and result["retractions"] > 0, result
         assert result["checks"]["probe_tokens"]["passed"] >= 2, result["checks"]
+        assert result["checks"]["probe_retracted"]["passed"] >= 2, result["checks"]
     assert set(report["modes"]["server"]["faults"]) == {"restart"}
     assert set(report["modes"]["pd"]["faults"]) == set(soak.PDTarget.faults)
     assert report["ok"]
+
+
+def test_the_retraction_probe_fails_unless_both_complete_and_one_was_retracted():
+    n = soak.RETRACT_PROBE_TOKENS
+
+    def answer(tokens: int, retractions: int) -> dict:
+        return {"output_ids": [5] * tokens, "meta_info": {"num_retractions": retractions}}
+
+    assert soak.retraction_probe(200, [answer(n, 1), answer(n, 0)]) == (1, [])
+    retracted, (problem,) = soak.retraction_probe(200, [answer(n, 0), answer(n, 0)])
+    assert retracted == 0 and "never retracted" in problem
+    (problem,) = soak.retraction_probe(200, [answer(n, 2), answer(n - 1, 0)])[1]
+    assert f"[{n}, {n - 1}] tokens" in problem
+    (problem,) = soak.retraction_probe(503, {"error": "busy"})[1]
+    assert "HTTP 503" in problem
+    (problem,) = soak.retraction_probe(200, [answer(n, 1)])[1]
+    assert "HTTP 200" in problem
 
 
 def test_an_idle_server_passes_and_each_leak_fails():

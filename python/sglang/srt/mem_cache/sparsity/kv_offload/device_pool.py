@@ -153,8 +153,10 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
         if layout.page_size != page_size:
             raise ValueError(f"arena page size {layout.page_size} != pool page size {page_size}")
         self.sizing = sizing
+        physical_size = layout.max_physical_pages * page_size
+        logical_size = (layout.index_pages - 1) * page_size
         super().__init__(
-            size=layout.max_physical_pages * page_size,
+            size=physical_size,
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
             dtype=dtype,
@@ -168,15 +170,14 @@ class KVOffloadDSATokenToKVPool(HiSparseDSATokenToKVPool):
             end_layer=end_layer,
             tail_extra_slots=tail_extra_slots,
             max_running_requests=max_running_requests,
-            logical_size=(layout.index_pages - 1) * page_size,
+            logical_size=logical_size,
         )
         if self.bytes_per_token != layout.row_bytes:
             raise ValueError(
                 f"arena rows of {layout.row_bytes} B do not match the pool's "
-                f"{self.kv_cache_dim} x {self.dtype} KV rows"
+                f"{self.kv_cache_dim} x {self.store_dtype} KV rows"
             )
-        self.physical_size = layout.max_physical_pages * page_size
-        self.logical_size = (layout.index_pages - 1) * page_size
+        self.physical_size, self.logical_size = physical_size, logical_size
         self.loc_to_host: Optional[torch.Tensor] = None
         self.offload_config = offload_config
         self.row_views: List[RowView] = [RowView(buf) for buf in self.kv_buffer]

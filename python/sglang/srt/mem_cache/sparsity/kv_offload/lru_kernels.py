@@ -408,7 +408,7 @@ class PlanReport:
         self._report = torch.zeros(
             (len(STAT_NAMES) + 1,), dtype=torch.int64, pin_memory=self._on_gpu
         )
-        self._event: Optional[torch.cuda.Event] = None
+        self._event = torch.cuda.Event() if self._on_gpu else None
         self.error_flags_seen = 0
 
     def reset(self) -> None:
@@ -423,8 +423,7 @@ class PlanReport:
         n = len(STAT_NAMES)
         self._report[:n].copy_(self.workspace.stats, non_blocking=True)
         self._report[n:].copy_(self.workspace.error_flags, non_blocking=True)
-        if self._on_gpu:
-            self._event = torch.cuda.Event()
+        if self._event is not None:
             self._event.record()
 
     def new_errors(self) -> int:
