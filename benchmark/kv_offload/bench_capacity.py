@@ -14,7 +14,9 @@ the GPU, a longer one its slots and two tail pages; every token keeps its index 
 ``serve``: the real tiny servers on this machine (``scripts/tiny_server.py``, CPU), flag off and on
 with the same ``--max-total-tokens``, driven by SGLang's own ``bench_serving`` through
 ``bench_serving_dsa.py --model tiny``, one point per prompt length: every request served, the KV
-token capacity and the peak / mean running requests each server logged.
+token capacity and the peak / mean running requests each server logged. ``--pd``: PD pairs instead
+(the flag, and ``--offload-config`` such as ``{"pd_direct_to_host": true}``, on the decode server;
+the counts are the decode server's): how fast a decode server admits the transferred prompts.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def run_sizing(args) -> Dict:
     }
 
 
+def offload_config(args) -> Dict:
+    return {"sparse_slots_per_req": args.slots, **args.offload_config}
+
+
 def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
     """One prompt length on the tiny servers, flag off then on (``bench_serving_dsa.py``)."""
     import bench_serving_dsa
@@ -122,9 +128,9 @@ def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
             "--max-total-tokens", str(args.max_total_tokens),
             "--chunked-prefill-size", str(args.chunked_prefill_size),
             "--index-topk", str(args.topk),
-            "--offload-config", json.dumps({"sparse_slots_per_req": args.slots}),
+            "--offload-config", json.dumps(offload_config(args)),
             "--deadline-s", str(args.point_deadline_s),
-        ]
+        ] + (["--pd"] if args.pd else [])
     )  # fmt: skip
     row: Dict = {"prompt_len": prompt_len}
     for server in report["servers"]:
@@ -157,7 +163,8 @@ def run_serve(args) -> Dict:
         "range_ratio": args.range_ratio,
         "concurrency": args.concurrency,
         "prompts": args.prompts,
-        "sparse_slots_per_req": args.slots,
+        "offload_config": offload_config(args),
+        "pd": args.pd,
         "index_topk": args.topk,
         "points": [serve_point(args, n, out_dir) for n in args.lengths],
     }
@@ -193,6 +200,10 @@ def main() -> None:
     v.add_argument("--topk", type=int, default=64)
     v.add_argument("--layers", type=int, default=8, help="the tiny model's layers")
     v.add_argument("--point-deadline-s", type=float, default=1200)
+    v.add_argument(
+        "--offload-config", type=json.loads, default={}, help="more --kv-offload-config keys"
+    )
+    v.add_argument("--pd", action="store_true", help="PD pairs, the flag on the decode server")
     for sp in (s, v):
         sp.add_argument("--out", required=True)
     args = p.parse_args()

@@ -23,6 +23,9 @@ its KV token capacity (``max_total_num_tokens`` of ``GET /server_info``).
 top-k 2048) and a narrower MoE (``--experts``, each token still runs 8 routed + 1 shared expert
 of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the tiny model (CPU CI).
 
+``--pd`` makes each server a PD pair on the CPU tiny model (prefill, decode and SGLang's mini load
+balancer; the offload flags on the decode server, whose log and state are reported).
+
 ``--profile-concurrency C`` also asks the server (upstream's ``POST /start_profile`` with
 ``num_steps``) for a torch-profiler trace of ``--profile-steps`` forward steps at that concurrency,
 once its decode batch has held ``--profile-batch`` requests (default ``C``; ``kind=B`` pairs give
@@ -57,6 +60,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
 from bench_common import results_json  # noqa: E402
+from tiny_pd import PDPair  # noqa: E402
 from tiny_server_gpu import SETTLE_S, machine_info, parse_log, step_ms_by_batch  # noqa: E402
 from tiny_server_proc import BenchServer as Server  # noqa: E402
 from tiny_server_proc import http  # noqa: E402
@@ -105,11 +109,19 @@ def topk_of(a: argparse.Namespace) -> int:
 
 
 def server_args(kind: str, a: argparse.Namespace, radix_cache: bool = False) -> List[str]:
-    """The launch flags of one server; everything but the offload flags is the same for all.
+    """The launch flags of one server; everything but the offload flags (:func:`kind_args`) is
+    the same for all.
 
     ``radix_cache`` keeps upstream's prefix cache on (``tiny_server.RADIX_FLAG``) for every kind
     but HiSparse, which 0.5.23 runs only without it.
     """
+    args = common_args(a) + kind_args(kind, a)
+    if radix_cache and kind != "hisparse":
+        args.append(tiny_server.RADIX_FLAG)
+    return args + a.extra_server_args
+
+
+def common_args(a: argparse.Namespace) -> List[str]:
     args = [
         "--context-length", str(a.context_length),
         "--mem-fraction-static", str(a.mem_fraction_static),
@@ -122,18 +134,20 @@ def server_args(kind: str, a: argparse.Namespace, radix_cache: bool = False) -> 
     ]  # fmt: skip
     if a.max_total_tokens:
         args += ["--max-total-tokens", str(a.max_total_tokens)]
+    return args
+
+
+def kind_args(kind: str, a: argparse.Namespace) -> List[str]:
+    """The flags that make a server of ``kind``: none, kv offload's or HiSparse's."""
     if kind == "offload":
-        cfg = dict(a.offload_config)
-        args += ["--enable-kv-offload", "--kv-offload-config", json.dumps(cfg)]
-    elif kind == "hisparse":
+        return ["--enable-kv-offload", "--kv-offload-config", json.dumps(a.offload_config)]
+    if kind == "hisparse":
         cfg = {"top_k": topk_of(a), "device_buffer_size": 2 * topk_of(a)}
         cfg.update(a.hisparse_config)
-        args += ["--enable-hisparse", "--hisparse-config", json.dumps(cfg)]
-    elif kind != "off":
+        return ["--enable-hisparse", "--hisparse-config", json.dumps(cfg)]
+    if kind != "off":
         raise ValueError(f"unknown server kind {kind!r}: off, offload or hisparse")
-    if radix_cache and kind != "hisparse":
-        args.append(tiny_server.RADIX_FLAG)
-    return args + a.extra_server_args
+    return []
 
 
 def bench_serving_cmd(
@@ -286,19 +300,52 @@ def summarize_trace(path: str, steps: int) -> Dict[str, Any]:
 TOPK_REPLAY_PERIODS = {0.4: 3, 0.1: 12}
 
 
+class PDServer:
+    """A PD pair (``--pd``: ``scripts/tiny_pd.py``, the offload flags on the decode server) seen
+    as one benchmark server: the client talks to its load balancer (``port``); the decode
+    server's address, command, log and state are the server's."""
+
+    def __init__(self, args: List[str], decode_extra: List[str], log_dir: Path, env: Dict):
+        self.pair = PDPair(args, decode_extra, log_dir, decode_env=env)
+        self.decode = self.pair.decode
+        self.port, self.url, self.cmd = self.pair.lb.port, self.decode.url, self.decode.cmd
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.time()
+        self.pair.wait_ready()  # each of the three within tiny_server_proc's start time-out
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"the PD pair took {time.time() - t0:.0f} s to start")
+        return time.time() - t0
+
+    def log_text(self) -> str:
+        return self.decode.log_text()
+
+    def wait_settled(self, timeout: float, strict: bool = True) -> Optional[Dict]:
+        return self.decode.wait_settled(timeout, strict=strict)
+
+    def stop(self) -> None:
+        self.pair.stop()
+
+
 def launch(
     kind: str, a: argparse.Namespace, out_dir: Path, radix_cache: bool = False
-) -> Tuple[Server, Dict[str, Any]]:
-    """Start one server of ``kind`` (not waited for) and its result record (kind, args, command):
-    the stand-ins' switches (``--fast-standins``, ``--topk-churn``) and the profiler's folder in
-    its environment, its log in ``out_dir``."""
+) -> Tuple[Any, Dict[str, Any]]:
+    """Start one server of ``kind`` (not waited for; with ``--pd`` a PD pair, :class:`PDServer`)
+    and its result record (kind, args, command): the stand-ins' switches (``--fast-standins``,
+    ``--topk-churn``) and the profiler's folder in its environment, its log in ``out_dir``."""
     args = server_args(kind, a, radix_cache)
     env = {"SGLANG_TORCH_PROFILER_DIR": str(out_dir / f"profile_{kind}")}
     if a.fast_standins or (a.fast_standins is None and a.model == "dsv32"):
         env["KV_OFFLOAD_STANDINS_FAST"] = "1"
     if a.topk_churn:
         env["KV_OFFLOAD_STANDINS_TOPK_PERIOD"] = str(TOPK_REPLAY_PERIODS[a.topk_churn])
-    server = Server(args, out_dir / f"server_{kind}.log", env, kernels=a.kernels)
+    if a.pd:
+        if kind == "hisparse" or radix_cache:
+            raise ValueError("--pd serves the off and offload kinds, without the radix cache")
+        common = common_args(a) + a.extra_server_args
+        server = PDServer(common, kind_args(kind, a), out_dir / f"pd_{kind}", env)
+    else:
+        server = Server(args, out_dir / f"server_{kind}.log", env, kernels=a.kernels)
     return server, {"kind": kind, "args": args, "command": shlex.join(server.cmd), "ok": False}
 
 
@@ -411,6 +458,12 @@ def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int
     """The options of the servers a serving benchmark starts (``server_args``, ``launch``) and of
     its time limit (``run_servers``)."""
     p.add_argument("--servers", default="off,offload,hisparse")
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="each server a PD pair (prefill + decode + SGLang's mini load balancer, Mooncake over "
+        "TCP: the CPU tiny model); the flags of --servers go to the decode server",
+    )
     p.add_argument("--model", choices=["dsv32", "tiny"], default="dsv32")
     p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--experts", type=int, default=8, help="routed experts of the narrower MoE")

@@ -43,6 +43,8 @@ def _capacity_point(prompt_len, **over):
         topk=64,
         layers=LAYERS,
         point_deadline_s=1200,
+        offload_config={},
+        pd=False,
     )
     vars(args).update(over)
     out = Path(tempfile.mkdtemp(prefix="kvc-"))  # short: ZMQ ipc paths
@@ -203,3 +205,34 @@ def test_each_server_shares_the_time_left_after_it_started(tmp_path, monkeypatch
     assert shares == [60, 55, 45]
     assert [s["kind"] for s in report["servers"]] == ["off", "offload", "hisparse"]
     assert json.loads((tmp_path / "r.json").read_text())["servers"] == report["servers"]
+
+
+def test_pd_puts_the_offload_flags_on_the_decode_server_only(tmp_path, monkeypatch):
+    """``--pd``: both servers get the common flags, the decode server also the kind's; the client
+    talks to the load balancer, the report reads the decode server. HiSparse is refused."""
+    parser = bench_serving_dsa.argparse.ArgumentParser()
+    bench_serving_dsa.add_server_options(parser, layers=2, max_running=8)
+    a = parser.parse_args(
+        ["--model", "tiny", "--pd", "--offload-config", '{"pd_direct_to_host": 1}']
+    )
+    a.context_length = 1024
+    made = []
+
+    class FakePair:
+        def __init__(self, args, decode_extra, log_dir, decode_env):
+            made.append((args, decode_extra))
+            self.lb = bench_serving_dsa.argparse.Namespace(port=4321)
+            self.decode = bench_serving_dsa.argparse.Namespace(url="http://d", cmd=["decode"])
+
+    monkeypatch.setattr(bench_serving_dsa, "PDPair", FakePair)
+    server, res = bench_serving_dsa.launch("offload", a, tmp_path)
+    (common, decode_extra), off_args = made[0], bench_serving_dsa.server_args("off", a)
+    assert common == off_args and "--enable-kv-offload" not in common
+    assert decode_extra == [
+        "--enable-kv-offload",
+        "--kv-offload-config",
+        '{"pd_direct_to_host": 1}',
+    ]
+    assert (server.port, server.url) == (4321, "http://d") and res["kind"] == "offload"
+    with pytest.raises(ValueError, match="off and offload"):
+        bench_serving_dsa.launch("hisparse", a, tmp_path)
