@@ -130,7 +130,9 @@ def serve_point(args, prompt_len: int, out_dir: Path) -> Dict:
             "--index-topk", str(args.topk),
             "--offload-config", json.dumps(offload_config(args)),
             "--deadline-s", str(args.point_deadline_s),
-        ] + (["--pd"] if args.pd else [])
+        ]
+        + (["--pd"] if args.pd else [])
+        + (["--fast-standins"] if args.fast_standins else [])
     )  # fmt: skip
     row: Dict = {"prompt_len": prompt_len}
     for server in report["servers"]:
@@ -165,6 +167,7 @@ def run_serve(args) -> Dict:
         "prompts": args.prompts,
         "offload_config": offload_config(args),
         "pd": args.pd,
+        "fast_standins": args.fast_standins,
         "index_topk": args.topk,
         "points": [serve_point(args, n, out_dir) for n in args.lengths],
     }
@@ -204,6 +207,11 @@ def main() -> None:
         "--offload-config", type=json.loads, default={}, help="more --kv-offload-config keys"
     )
     v.add_argument("--pd", action="store_true", help="PD pairs, the flag on the decode server")
+    v.add_argument(
+        "--fast-standins",
+        action="store_true",
+        help="the stand-ins in bf16/fp32 (bench_serving_dsa.py's): counts, not tokens, at long prompts",
+    )
     for sp in (s, v):
         sp.add_argument("--out", required=True)
     args = p.parse_args()

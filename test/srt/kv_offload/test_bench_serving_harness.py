@@ -45,6 +45,7 @@ def _capacity_point(prompt_len, **over):
         point_deadline_s=1200,
         offload_config={},
         pd=False,
+        fast_standins=False,
     )
     vars(args).update(over)
     out = Path(tempfile.mkdtemp(prefix="kvc-"))  # short: ZMQ ipc paths
