@@ -601,10 +601,16 @@ def inject(fault: str, target: Target, tally: Tally, seed: int) -> None:
 
 # ---------------------------------------------------------------------- checkpoints and runs
 def checkpoint(target: Target, tally: Tally, reference: Optional[List[int]]) -> List[int]:
-    """Probes, then idle: leak, error flags and metrics checks. Returns the probe's tokens."""
+    """Once idle, the probes; then the idle checks: leaks, error flags, metrics. Returns the
+    probe's tokens."""
     dead = [s.log_path.name for s in target.servers() if not s.alive()]
     if not tally.check("servers_alive", [f"{name}: server exited" for name in dead]):
         raise RuntimeError(f"a server exited: {dead}")
+    server = target.offload
+    try:  # requests the traffic abandoned may still run: the probes run alone
+        server.wait_no_leak(IDLE_TIMEOUT_S)
+    except AssertionError:
+        pass  # the idle checks below report what stayed
     status, out = post(target.url, body(PROBE, PROBE_TOKENS))
     tokens = out.get("output_ids", []) if status == 200 and isinstance(out, dict) else []
     tally.check("probe_answered", [] if tokens else [f"probe got HTTP {status}: {out}"])
@@ -615,7 +621,6 @@ def checkpoint(target: Target, tally: Tally, reference: Optional[List[int]]) -> 
     with tally.lock:
         tally.retractions += retracted
     tally.check("probe_retracted", problems)
-    server = target.offload
     try:
         state = server.wait_no_leak(IDLE_TIMEOUT_S)
     except AssertionError:
