@@ -139,15 +139,24 @@ class TestAttentionDPDecodeRetraction:
         with started(pair):
             yield pair
 
+    # Rounds of the same batch until a request of each rank has been retracted and resumed. A
+    # rank retracts only at a scheduled step where it runs two requests at once, and its requests
+    # arrive as the prefill server finishes them: on a loaded machine one round can leave a rank's
+    # requests without that overlap (seen in CI: rank 0 never ran two at a retraction step).
+    ROUNDS = 4
+
     def test_retraction_on_both_ranks_completes_and_leaks_nothing(self, pair):
         prompts = [pd.prompt(n, 90 + n) for n in (120, 300, 500, 700, 260, 410)]
-        outs = pd.generate(pair.url, prompts, 40)
-        assert [len(o["output_ids"]) for o in outs] == [40] * len(prompts), outs
-        assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
-        retracted = {
-            o["meta_info"]["dp_rank"] for o in outs if o["meta_info"]["num_retractions"] > 0
-        }
-        assert retracted == {0, 1}, [o["meta_info"] for o in outs]
+        retracted, seen = set(), []
+        for _ in range(self.ROUNDS):
+            outs = pd.generate(pair.url, prompts, 40)
+            assert [len(o["output_ids"]) for o in outs] == [40] * len(prompts), outs
+            assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
+            seen += [o["meta_info"] for o in outs]
+            retracted |= {m["dp_rank"] for m in seen if m["num_retractions"] > 0}
+            if retracted == {0, 1}:
+                break
+        assert retracted == {0, 1}, seen
         pair.decode.wait_no_leak()
         states = pair.decode.offload_states()
         assert len(states) == 2 and all(s["error_flags"] == 0 for s in states), states
