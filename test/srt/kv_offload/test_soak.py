@@ -22,7 +22,7 @@ import soak  # noqa: E402
 # Seeded, bounded: each mode runs one window per fault (a mode runs at least that many, and no
 # more with no time asked): the server restarts once, the pair meets every PD fault once.
 DURATION_S = 0
-WINDOW_S = 30
+WINDOW_S = 20
 
 IDLE = {
     "free": {"logical": 13568, "physical": 2048, "host": 13568},
