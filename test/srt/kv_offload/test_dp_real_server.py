@@ -19,11 +19,6 @@ from _real_server import started
 pytestmark = pytest.mark.slow
 
 DP = rs.TP + ["--attn-dp-size", "2"]
-# The retraction tests send their batch again (at most this many rounds) until a request of each
-# rank has been retracted: a rank retracts only at a scheduled step where it runs two requests at
-# once, and when its requests arrive is timing (in PD, as the prefill server finishes them); seen
-# in CI on a loaded machine: rank 0 of the PD pair never ran two at a retraction step.
-RETRACTION_ROUNDS = 4
 
 
 class TestAttentionDP:
@@ -70,7 +65,7 @@ class TestAttentionDP:
 
     def test_retraction_on_both_ranks_completes_and_frees_everything(self, dp_servers):
         _, _, on = dp_servers
-        for _ in range(RETRACTION_ROUNDS):
+        for _ in range(pd.RETRACTION_ROUNDS):  # until both ranks retracted
             outs = rs.tokens(on.generate_batch(self.PROMPTS, self.NEW_TOKENS))
             assert [len(o) for o in outs] == [self.NEW_TOKENS] * len(self.PROMPTS)
             on.wait_no_leak()
@@ -150,7 +145,7 @@ class TestAttentionDPDecodeRetraction:
     def test_retraction_on_both_ranks_completes_and_leaks_nothing(self, pair):
         prompts = [pd.prompt(n, 90 + n) for n in (120, 300, 500, 700, 260, 410)]
         retracted, seen = set(), []
-        for _ in range(RETRACTION_ROUNDS):
+        for _ in range(pd.RETRACTION_ROUNDS):  # until both ranks retracted
             outs = pd.generate(pair.url, prompts, 40)
             assert [len(o["output_ids"]) for o in outs] == [40] * len(prompts), outs
             assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
