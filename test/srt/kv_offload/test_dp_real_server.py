@@ -72,9 +72,10 @@ class TestAttentionDP:
             retracted = re.findall(
                 r"DP(\d) TP\d\] Testing retraction. #retracted_reqs: (\d+)", on.log_text()
             )
-            if {rank for rank, n in retracted if int(n) > 0} == {"0", "1"}:
+            ranks = {rank for rank, n in retracted if int(n) > 0}
+            if ranks == {"0", "1"}:
                 break
-        assert {rank for rank, n in retracted if int(n) > 0} == {"0", "1"}, retracted
+        assert ranks == {"0", "1"}, retracted
         assert all(s["error_flags"] == 0 for s in on.offload_states())
 
 
@@ -149,8 +150,9 @@ class TestAttentionDPDecodeRetraction:
             outs = pd.generate(pair.url, prompts, 40)
             assert [len(o["output_ids"]) for o in outs] == [40] * len(prompts), outs
             assert {o["meta_info"]["dp_rank"] for o in outs} == {0, 1}
-            seen += [o["meta_info"] for o in outs]
-            retracted |= {m["dp_rank"] for m in seen if m["num_retractions"] > 0}
+            metas = [o["meta_info"] for o in outs]
+            seen += metas
+            retracted |= {m["dp_rank"] for m in metas if m["num_retractions"] > 0}
             if retracted == {0, 1}:
                 break
         assert retracted == {0, 1}, seen
