@@ -386,25 +386,15 @@ def run_server(
             if profiling:
                 batch = profile_batch(a, kind, conc)
                 started = profile_when_batch(server, since, batch, prof_dir, a, stop)
-            t0 = time.time()
-            proc = subprocess.run(
-                cmd,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                capture_output=True,
-                text=True,
-                timeout=max(30.0, deadline - time.time()),
+            point = {"concurrency": conc}
+            point.update(
+                run_client(
+                    cmd,
+                    out_file,
+                    out_dir / f"bench_{kind}_c{conc}.log",
+                    max(30.0, deadline - time.time()),
+                )
             )
-            point: Dict[str, Any] = {
-                "concurrency": conc,
-                "wall_s": time.time() - t0,
-                "returncode": proc.returncode,
-            }
-            (out_dir / f"bench_{kind}_c{conc}.log").write_text(proc.stdout + proc.stderr)
-            if proc.returncode != 0 or not out_file.exists():
-                point["error"] = (proc.stdout + proc.stderr)[-2000:]
-            else:
-                row = json.loads(out_file.read_text().strip().splitlines()[-1])
-                point.update({k: row.get(k) for k in BENCH_KEYS})
             point.update(running_stats(server.log_text(), since))
             stop.set()
             if profiling:
@@ -436,6 +426,41 @@ def run_server(
         if not res["ok"]:
             res["log_tail"] = tail
     return res
+
+
+def run_client(cmd: List[str], out_file: Path, log_file: Path, timeout: float) -> Dict[str, Any]:
+    """Run one ``bench_serving`` client; its output goes to ``log_file``. Returns the point's
+    fields: ``wall_s``, ``returncode`` and :data:`BENCH_KEYS` of its result line, or ``error``.
+    A client stopped by ``timeout`` after it wrote its result line (it ends with the last request)
+    keeps that result, marked ``timed_out``."""
+    t0 = time.time()
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = None
+        output = "".join(
+            x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+            for x in (exc.stdout, exc.stderr)
+        )
+        output += f"\n[bench_serving_dsa] client stopped after {timeout:.0f} s\n"
+    point: Dict[str, Any] = {"wall_s": time.time() - t0, "returncode": returncode}
+    log_file.write_text(output)
+    lines = out_file.read_text().strip().splitlines() if out_file.exists() else []
+    if returncode not in (0, None) or not lines:
+        point["error"] = output[-2000:]
+        return point
+    if returncode is None:
+        point["timed_out"] = True
+    row = json.loads(lines[-1])
+    point.update({k: row.get(k) for k in BENCH_KEYS})
+    return point
 
 
 # What each point keeps of bench_serving's result line.

@@ -237,3 +237,30 @@ def test_pd_puts_the_offload_flags_on_the_decode_server_only(tmp_path, monkeypat
     assert (server.port, server.url) == (4321, "http://d") and res["kind"] == "offload"
     with pytest.raises(ValueError, match="off and offload"):
         bench_serving_dsa.launch("hisparse", a, tmp_path)
+
+
+def test_a_client_stopped_after_its_result_keeps_it(tmp_path):
+    """A ``bench_serving`` client that wrote its result line but had not exited when its time ran
+    out (the flag-off server's point of the 32K H100 run) keeps its figures, marked ``timed_out``;
+    one stopped before writing it, or one that failed, is an error."""
+    out, log = tmp_path / "out.jsonl", tmp_path / "client.log"
+    row = {"completed": 28, "output_throughput": 1076.1, "median_tpot_ms": 5.34}
+    write = f"open({str(out)!r}, 'w').write({json.dumps(json.dumps(row))} + '\\n')"
+    slow = [sys.executable, "-c", f"import time; print('sent'); {write}; time.sleep(30)"]
+    point = bench_serving_dsa.run_client(slow, out, log, timeout=3)
+    assert point["timed_out"] and point["returncode"] is None and "error" not in point
+    assert point["completed"] == 28 and point["output_throughput"] == 1076.1
+    assert point["wall_s"] < 20 and "stopped after 3 s" in log.read_text()
+
+    out.unlink()
+    stuck = [sys.executable, "-c", "import time; time.sleep(30)"]
+    point = bench_serving_dsa.run_client(stuck, out, log, timeout=2)
+    assert "error" in point and "completed" not in point
+
+    failed = [sys.executable, "-c", f"{write}; raise SystemExit(3)"]
+    point = bench_serving_dsa.run_client(failed, out, log, timeout=20)
+    assert point["returncode"] == 3 and "error" in point and "completed" not in point
+
+    done = [sys.executable, "-c", write]
+    point = bench_serving_dsa.run_client(done, out, log, timeout=20)
+    assert point["returncode"] == 0 and "timed_out" not in point and point["completed"] == 28
