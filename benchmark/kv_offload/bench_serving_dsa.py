@@ -26,13 +26,14 @@ of DeepSeek-V3.2's width), over ``--layers`` layers; ``--model tiny`` keeps the 
 ``--pd`` makes each server a PD pair on the CPU tiny model (prefill, decode and SGLang's mini load
 balancer; the offload flags on the decode server, whose log and state are reported).
 
-``--profile-concurrency C`` also asks the server (upstream's ``POST /start_profile`` with
-``num_steps``) for a torch-profiler trace of ``--profile-steps`` forward steps at that concurrency,
-once its decode batch has held ``--profile-batch`` requests (default ``C``; ``kind=B`` pairs give
-each server its own, e.g. the flag-off server's KV-bound batch) for longer than the client's
-warm-up request decodes, and reports the GPU kernel
-time per step split into kv offload's launches, HiSparse's and the rest, against the wall span of
-the steps (:func:`summarize_trace`).
+``--profile-concurrency C`` then runs that point's workload once more, unmeasured, and asks the
+server (upstream's ``POST /start_profile`` with ``num_steps``) for a torch-profiler trace of
+``--profile-steps`` forward steps once its decode batch has held ``--profile-batch`` requests
+(default ``C``; ``kind=B`` pairs give each server its own, e.g. the flag-off server's KV-bound
+batch) for longer than the client's warm-up request decodes, and reports the GPU kernel time per
+step split into kv offload's launches, HiSparse's and the rest, against the wall span of the steps
+(:func:`summarize_trace`). The trace's export pauses the server (about a second), so the point's
+latencies come from the run before it.
 
 Results (``--out``) are rewritten after every point, so a run cut short keeps what it got; each
 server's log and each point's bench_serving output lie next to it.
@@ -150,9 +151,7 @@ def kind_args(kind: str, a: argparse.Namespace) -> List[str]:
     return []
 
 
-def bench_serving_cmd(
-    port: int, tokenizer: str, conc: int, out_file: Path, profile_dir: Path, a
-) -> List[str]:
+def bench_serving_cmd(port: int, tokenizer: str, conc: int, out_file: Path, a) -> List[str]:
     num = max(a.min_prompts, a.prompts_per_concurrency * conc)
     cmd = [
         sys.executable, "-m", "sglang.bench_serving",
@@ -225,6 +224,47 @@ def profile_when_batch(
 
     threading.Thread(target=watch, daemon=True).start()
     return started
+
+
+def profile_pass(
+    server: Server,
+    kind: str,
+    conc: int,
+    a: argparse.Namespace,
+    out_dir: Path,
+    tokenizer: str,
+    deadline: float,
+) -> Dict[str, Any]:
+    """The point's workload again, its client output kept apart (``..._profile.jsonl``) and not
+    reported, with a trace of ``--profile-steps`` steps once the batch has held
+    (:func:`profile_when_batch`). Returns the batch that started it, the server's answer and the
+    trace's summary, or ``error``."""
+    prof_dir = out_dir / f"profile_{kind}"
+    out_file = out_dir / f"bench_{kind}_c{conc}_profile.jsonl"
+    out_file.unlink(missing_ok=True)
+    since = len(server.log_text())
+    batch = profile_batch(a, kind, conc)
+    stop = threading.Event()
+    started = profile_when_batch(server, since, batch, prof_dir, a, stop)
+    try:
+        client = run_client(
+            bench_serving_cmd(server.port, tokenizer, conc, out_file, a),
+            out_file,
+            out_dir / f"bench_{kind}_c{conc}_profile.log",
+            max(30.0, deadline - time.time()),
+        )
+    finally:
+        stop.set()
+    profile: Dict[str, Any] = {"batch": batch, "started": dict(started)}
+    if started and wait_for_log(server, "Profiling done", since, timeout=180.0):
+        traces = sorted(
+            glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True),
+            key=os.path.getmtime,
+        )
+        profile.update(summarize_trace(traces[-1], a.profile_steps))
+    else:
+        profile["error"] = client.get("error") or "no trace written"
+    return profile
 
 
 def running_stats(log_text: str, since: int) -> Dict[str, Any]:
@@ -368,7 +408,6 @@ def run_server(
 ) -> Dict[str, Any]:
     server, res = launch(kind, a, out_dir)
     res["points"] = []
-    prof_dir = out_dir / f"profile_{kind}"
     try:
         wait_started(server, res, a)
         deadline = points_end()
@@ -380,12 +419,7 @@ def run_server(
             out_file = out_dir / f"bench_{kind}_c{conc}.jsonl"
             out_file.unlink(missing_ok=True)
             since = len(server.log_text())
-            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, prof_dir, a)
-            profiling = a.profile_concurrency == conc
-            stop = threading.Event()
-            if profiling:
-                batch = profile_batch(a, kind, conc)
-                started = profile_when_batch(server, since, batch, prof_dir, a, stop)
+            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, a)
             point = {"concurrency": conc}
             point.update(
                 run_client(
@@ -396,17 +430,12 @@ def run_server(
                 )
             )
             point.update(running_stats(server.log_text(), since))
-            stop.set()
-            if profiling:
-                point["profile"] = {"batch": batch, "started": dict(started)}
-                if started and wait_for_log(server, "Profiling done", since, timeout=180.0):
-                    traces = sorted(
-                        glob.glob(str(prof_dir / "**" / "*.trace.json*"), recursive=True),
-                        key=os.path.getmtime,
-                    )
-                    point["profile"].update(summarize_trace(traces[-1], a.profile_steps))
-                else:
-                    point["profile"]["error"] = "no trace written"
+            if a.profile_concurrency == conc:
+                point["profile"] = (
+                    profile_pass(server, kind, conc, a, out_dir, tokenizer, deadline)
+                    if time.time() < deadline - a.point_reserve_s
+                    else {"error": "no time left for the profile run"}
+                )
             res["points"].append(point)
             print(f"[bench_serving_dsa] {kind} c={conc}: {json.dumps(point)[:600]}", flush=True)
         res["kv_offload_end"] = server.wait_settled(SETTLE_S, strict=False)

@@ -186,6 +186,71 @@ def test_profile_starts_at_each_servers_batch(tmp_path, monkeypatch):
     assert posted[0]["activities"] == ["CPU"]  # a CPU server records no GPU activity
 
 
+def test_a_profiled_point_reports_the_unprofiled_runs_latencies(tmp_path, monkeypatch):
+    """The trace's export pauses the server (about a second: the c=1 points of the 2026-12-07
+    H100 run carried it in their TPOT), so ``--profile-concurrency`` runs the point's workload a
+    second time for the trace: the point's figures are the first run's, taken with no profile
+    watching; the second run's client output is kept apart; a trace that never started is an
+    error of the profile, not of the point."""
+    log, watching, runs = [], [], []
+    server = bench_serving_dsa.argparse.Namespace(
+        port=1,
+        url="http://x",
+        cmd=["python", "--model-path", "m"],
+        log_text=lambda: "".join(log),
+        stop=lambda: None,
+        wait_settled=lambda settle_s, strict: {"requests": 0},
+    )
+    launched = lambda kind, a, out: (server, {"kind": kind, "ok": False})  # noqa: E731
+    monkeypatch.setattr(bench_serving_dsa, "launch", launched)
+    monkeypatch.setattr(bench_serving_dsa, "wait_started", lambda server, res, a: None)
+    trace_starts = [{"running": 1, "answer": "ok"}]
+
+    def watch(server, since, batch, prof_dir, a, stop):
+        watching.append(stop)
+        return trace_starts[0]
+
+    def client(cmd, out_file, log_file, timeout):
+        runs.append((out_file.name, bool(watching) and not watching[-1].is_set()))
+        if out_file.name.endswith("_profile.jsonl") and trace_starts[0]:
+            (tmp_path / "profile_offload").mkdir(exist_ok=True)
+            (tmp_path / "profile_offload" / "1-TP-0.trace.json").write_text("{}")
+            log.append("Profiling done. Traces are saved\n")
+        tpot = 6.0 if out_file.name.endswith("_profile.jsonl") else 4.6
+        return {"completed": 2, "median_tpot_ms": tpot}
+
+    monkeypatch.setattr(bench_serving_dsa, "profile_when_batch", watch)
+    monkeypatch.setattr(bench_serving_dsa, "run_client", client)
+    monkeypatch.setattr(
+        bench_serving_dsa, "summarize_trace", lambda path, steps: {"trace": Path(path).name}
+    )
+    a = bench_serving_dsa.argparse.Namespace(
+        concurrency=[1, 4], profile_concurrency=1, profile_batch="", profile_steps=8,
+        point_reserve_s=30, min_prompts=2, prompts_per_concurrency=1, input_len=64, output_len=8,
+        random_range_ratio=1.0, seed=1,
+    )  # fmt: skip
+    end = lambda: bench_serving_dsa.time.time() + 600  # noqa: E731
+    res = bench_serving_dsa.run_server("offload", a, tmp_path, end)
+    assert runs == [
+        ("bench_offload_c1.jsonl", False),
+        ("bench_offload_c1_profile.jsonl", True),
+        ("bench_offload_c4.jsonl", False),
+    ]
+    c1, c4 = res["points"]
+    assert c1["median_tpot_ms"] == 4.6 and c4["median_tpot_ms"] == 4.6 and "profile" not in c4
+    assert c1["profile"] == {
+        "batch": 1,
+        "started": {"running": 1, "answer": "ok"},
+        "trace": "1-TP-0.trace.json",
+    }
+    assert res["ok"]
+
+    trace_starts[0], runs[:] = {}, []
+    res = bench_serving_dsa.run_server("offload", a, tmp_path, end)
+    assert res["points"][0]["profile"]["error"] == "no trace written"
+    assert res["points"][0]["median_tpot_ms"] == 4.6 and res["ok"]
+
+
 def test_each_server_shares_the_time_left_after_it_started(tmp_path, monkeypatch):
     """A server that is slow to start (the first on a fresh GPU machine compiles the JIT kernels
     while capturing its first graph) does not lose its points to its start, nor the later servers
