@@ -108,3 +108,51 @@ def test_production_indexer_logits_are_replayed_in_place(monkeypatch):
     want = standins.replay_scores(0, torch.arange(width), row_lens, 3)
     want = want.masked_fill(torch.arange(width)[None] >= row_lens, float("-inf"))
     assert torch.equal(out, want)
+
+
+def test_fused_replay_kernel_gives_the_torch_replays_selection():
+    """The CUDA servers' one-kernel replay (``replay_kernel.replay_logits``, here under the Triton
+    interpreter) gives the torch replay's scores (the same int64 hash and float64 normals; the
+    transcendentals may differ in the last bit) and the same top-k, masks included."""
+    from replay_kernel import replay_logits
+
+    width, period = 5000, 3
+    lens = torch.tensor([[4999], [3000], [131], [2]])  # long, mid, inside the window, tiny
+    for layer in (0, 5):
+        got = replay_logits(
+            layer, lens, width, period, standins.REPLAY_SHARE, standins.REPLAY_SINKS,
+            standins.REPLAY_WINDOW,
+        )  # fmt: skip
+        want = standins.replay_scores(layer, torch.arange(width), lens, period)
+        want = want.masked_fill(torch.arange(width)[None] >= lens, float("-inf"))
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        k = 64
+        assert torch.equal(
+            got.topk(k, dim=1).indices.sort(dim=1).values,
+            want.topk(k, dim=1).indices.sort(dim=1).values,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_replay_kernel_on_the_gpu_at_serving_shapes():
+    """The compiled kernel at a serving point's shapes (27 rows of 32K + 4K): the torch replay's
+    scores and its top-2048 on the same GPU."""
+    from replay_kernel import replay_logits
+
+    width, period = 36864, 3
+    lens = torch.randint(32768, width, (27, 1), device="cuda")
+    lens[0, 0] = width
+    got = replay_logits(
+        3, lens, width, period, standins.REPLAY_SHARE, standins.REPLAY_SINKS,
+        standins.REPLAY_WINDOW,
+    )  # fmt: skip
+    pos = torch.arange(width, device="cuda")
+    want = standins.replay_scores(3, pos, lens, period).masked_fill(
+        pos[None] >= lens, float("-inf")
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    picks = lambda x: x.topk(TOPK, dim=1).indices.sort(dim=1).values  # noqa: E731
+    assert (picks(got) == picks(want)).float().mean() > 0.999  # ties at the last bit aside

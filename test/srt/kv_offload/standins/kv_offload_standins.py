@@ -126,7 +126,9 @@ C2    CPU only: the fp8 KV row quantiser                     :func:`quantize_k_c
 B1    Benchmark only, GPU with production kernels and       the real kernel runs, then the replay's
       ``KV_OFFLOAD_STANDINS_TOPK_PERIOD``: DeepGEMM's       scores (below) overwrite its logits in
       ``fp8_paged_mqa_logits`` (the decode indexer)         place: the same selections as S4's
-                                                            replay, the kernel's time kept
+                                                            replay, the kernel's time kept; on
+                                                            CUDA the replay is one Triton kernel
+                                                            (``replay_kernel.py``)
 ====  =====================================================  =========================================
 
 (No S8: 0.5.23 has no ``Indexer._should_chunk_mqa_logits``. On the CPU platform the MLA KV row write
@@ -375,9 +377,14 @@ def _replayed_logits(
 ) -> torch.Tensor:
     """The decode logits the replay serves (S4, B1): ``[batch * next_n, width]`` replay scores of
     the layer owning ``index_cache``, ``-inf`` at or past each row's context length."""
-    pos = torch.arange(width, device=context_lens.device)
     lens = _decode_lens(context_lens, batch, next_n)
-    scores = replay_scores(_replay_layer(index_cache), pos, lens, _replay_period())
+    layer, period = _replay_layer(index_cache), _replay_period()
+    if lens.is_cuda:  # one fused kernel: the torch replay's hundred launches weigh on every step
+        from replay_kernel import replay_logits
+
+        return replay_logits(layer, lens, width, period, REPLAY_SHARE, REPLAY_SINKS, REPLAY_WINDOW)
+    pos = torch.arange(width, device=context_lens.device)
+    scores = replay_scores(layer, pos, lens, period)
     return scores.masked_fill(pos[None, :] >= lens, float("-inf"))
 
 
