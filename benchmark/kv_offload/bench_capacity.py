@@ -26,7 +26,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -41,8 +41,23 @@ def _pages(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
-def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pages: int) -> Dict:
-    """Requests of ``length`` tokens held at once without and with the flag."""
+def _most(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest ``k`` in ``[0, hi]`` with ``fits(k)`` (``fits`` monotone, ``fits(0)``)."""
+    lo = 0
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        lo, hi = (k, hi) if fits(k) else (lo, k - 1)
+    return lo
+
+
+def sizing_point(
+    sizing, flag_off_tokens: int, length: int, slots: int, tail_pages: int, prompt_len: int = 0
+) -> Dict:
+    """Requests of ``length`` tokens held at once without and with the flag; with ``prompt_len``,
+    also the flag-on peak when such prompts keep arriving: a sparse prompt stages in a GPU row per
+    token (its promise, ``AdmissionLedger.promise_rows``: its prompt pages and the page of its
+    first decode token, or its slots and tail if more) beside the requests already running, so
+    ``k`` run and one stages when both fit, and ``k + 1`` run at most."""
     from sglang.srt.mem_cache.sparsity.kv_offload.admission import stays_resident
 
     layout = sizing.layout
@@ -51,16 +66,10 @@ def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pag
     resident = stays_resident(length, slots, tail_pages, PAGE)
     phys = _pages(length) if resident else sparse
     logical = _pages(length)
+    most = sizing.logical_tokens // PAGE + 1
     # k requests fit if their physical and logical pages do, in whole units.
-    lo, hi = 0, sizing.logical_tokens // PAGE + 1
-    while lo < hi:
-        k = (lo + hi + 1) // 2
-        if layout.holds(k * phys, k * logical):
-            lo = k
-        else:
-            hi = k - 1
-    on = lo
-    return {
+    on = _most(lambda k: layout.holds(k * phys, k * logical), most)
+    point = {
         "length": length,
         "mode": "resident" if resident else "sparse",
         "flag_off_requests": off,
@@ -72,6 +81,11 @@ def sizing_point(sizing, flag_off_tokens: int, length: int, slots: int, tail_pag
             0 if resident else on * length * layout.row_bytes * sizing.num_layers / 1e9, 1
         ),
     }
+    if prompt_len:
+        staged = phys if resident else max(sparse, _pages(prompt_len) + 1)
+        running = _most(lambda k: layout.holds(k * phys + staged, (k + 1) * logical), most)
+        point["flag_on_running_while_staging"] = min(on, running + 1)
+    return point
 
 
 def run_sizing(args) -> Dict:
@@ -88,7 +102,7 @@ def run_sizing(args) -> Dict:
     )
     points = []
     for n in args.lengths:
-        point = sizing_point(sizing, flag_off, n + args.output_len, args.slots, 2)
+        point = sizing_point(sizing, flag_off, n + args.output_len, args.slots, 2, prompt_len=n)
         point["prompt_len"] = n
         points.append(point)
     return {
