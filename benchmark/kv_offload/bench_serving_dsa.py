@@ -461,7 +461,7 @@ def run_client(cmd: List[str], out_file: Path, log_file: Path, timeout: float) -
     """Run one ``bench_serving`` client; its output goes to ``log_file``. Returns the point's
     fields: ``wall_s``, ``returncode`` and :data:`BENCH_KEYS` of its result line, or ``error``.
     A client stopped by ``timeout`` after it wrote its result line (it ends with the last request)
-    keeps that result, marked ``timed_out``."""
+    keeps that result, marked ``timed_out``; one stopped while writing it has none."""
     t0 = time.time()
     try:
         proc = subprocess.run(
@@ -482,12 +482,15 @@ def run_client(cmd: List[str], out_file: Path, log_file: Path, timeout: float) -
     point: Dict[str, Any] = {"wall_s": time.time() - t0, "returncode": returncode}
     log_file.write_text(output)
     lines = out_file.read_text().strip().splitlines() if out_file.exists() else []
-    if returncode not in (0, None) or not lines:
+    try:
+        row = json.loads(lines[-1]) if returncode in (0, None) and lines else None
+    except json.JSONDecodeError:  # stopped in the middle of writing it
+        row = None
+    if row is None:
         point["error"] = output[-2000:]
         return point
     if returncode is None:
         point["timed_out"] = True
-    row = json.loads(lines[-1])
     point.update({k: row.get(k) for k in BENCH_KEYS})
     return point
 

@@ -307,7 +307,7 @@ def test_pd_puts_the_offload_flags_on_the_decode_server_only(tmp_path, monkeypat
 def test_a_client_stopped_after_its_result_keeps_it(tmp_path):
     """A ``bench_serving`` client that wrote its result line but had not exited when its time ran
     out (the flag-off server's point of the 32K H100 run) keeps its figures, marked ``timed_out``;
-    one stopped before writing it, or one that failed, is an error."""
+    one stopped before writing it or while writing it, or one that failed, is an error."""
     out, log = tmp_path / "out.jsonl", tmp_path / "client.log"
     row = {"completed": 28, "output_throughput": 1076.1, "median_tpot_ms": 5.34}
     write = f"open({str(out)!r}, 'w').write({json.dumps(json.dumps(row))} + '\\n')"
@@ -316,6 +316,11 @@ def test_a_client_stopped_after_its_result_keeps_it(tmp_path):
     assert point["timed_out"] and point["returncode"] is None and "error" not in point
     assert point["completed"] == 28 and point["output_throughput"] == 1076.1
     assert point["wall_s"] < 20 and "stopped after 3 s" in log.read_text()
+
+    half = f"open({str(out)!r}, 'w').write({json.dumps(json.dumps(row)[:20])})"
+    cut = [sys.executable, "-c", f"import time; {half}; time.sleep(30)"]
+    point = bench_serving_dsa.run_client(cut, out, log, timeout=3)
+    assert "error" in point and "completed" not in point  # stopped while writing its line
 
     out.unlink()
     stuck = [sys.executable, "-c", "import time; time.sleep(30)"]
