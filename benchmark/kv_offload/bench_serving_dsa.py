@@ -226,6 +226,28 @@ def profile_when_batch(
     return started
 
 
+def point_client(
+    server: Server,
+    kind: str,
+    conc: int,
+    a: argparse.Namespace,
+    out_dir: Path,
+    tokenizer: str,
+    deadline: float,
+    tag: str = "",
+) -> Dict[str, Any]:
+    """One ``bench_serving`` run of a point against ``server`` (:func:`run_client`), its result
+    line in ``bench_{kind}_c{conc}{tag}.jsonl`` and its output in the ``.log`` beside it."""
+    out_file = out_dir / f"bench_{kind}_c{conc}{tag}.jsonl"
+    out_file.unlink(missing_ok=True)
+    return run_client(
+        bench_serving_cmd(server.port, tokenizer, conc, out_file, a),
+        out_file,
+        out_file.with_suffix(".log"),
+        max(30.0, deadline - time.time()),
+    )
+
+
 def profile_pass(
     server: Server,
     kind: str,
@@ -235,24 +257,17 @@ def profile_pass(
     tokenizer: str,
     deadline: float,
 ) -> Dict[str, Any]:
-    """The point's workload again, its client output kept apart (``..._profile.jsonl``) and not
-    reported, with a trace of ``--profile-steps`` steps once the batch has held
-    (:func:`profile_when_batch`). Returns the batch that started it, the server's answer and the
-    trace's summary, or ``error``."""
+    """The point's workload again (:func:`point_client`), its client output kept apart
+    (``..._profile.jsonl``) and not reported, with a trace of ``--profile-steps`` steps once the
+    batch has held (:func:`profile_when_batch`). Returns the batch that started it, the server's
+    answer and the trace's summary, or ``error``."""
     prof_dir = out_dir / f"profile_{kind}"
-    out_file = out_dir / f"bench_{kind}_c{conc}_profile.jsonl"
-    out_file.unlink(missing_ok=True)
     since = len(server.log_text())
     batch = profile_batch(a, kind, conc)
     stop = threading.Event()
     started = profile_when_batch(server, since, batch, prof_dir, a, stop)
     try:
-        client = run_client(
-            bench_serving_cmd(server.port, tokenizer, conc, out_file, a),
-            out_file,
-            out_dir / f"bench_{kind}_c{conc}_profile.log",
-            max(30.0, deadline - time.time()),
-        )
+        client = point_client(server, kind, conc, a, out_dir, tokenizer, deadline, "_profile")
     finally:
         stop.set()
     profile: Dict[str, Any] = {"batch": batch, "started": dict(started)}
@@ -416,19 +431,9 @@ def run_server(
             if time.time() > deadline - a.point_reserve_s:
                 res["points"].append({"concurrency": conc, "skipped": "deadline"})
                 continue
-            out_file = out_dir / f"bench_{kind}_c{conc}.jsonl"
-            out_file.unlink(missing_ok=True)
             since = len(server.log_text())
-            cmd = bench_serving_cmd(server.port, tokenizer, conc, out_file, a)
             point = {"concurrency": conc}
-            point.update(
-                run_client(
-                    cmd,
-                    out_file,
-                    out_dir / f"bench_{kind}_c{conc}.log",
-                    max(30.0, deadline - time.time()),
-                )
-            )
+            point.update(point_client(server, kind, conc, a, out_dir, tokenizer, deadline))
             point.update(running_stats(server.log_text(), since))
             if a.profile_concurrency == conc:
                 point["profile"] = (
