@@ -3,8 +3,6 @@
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"))
 import bench_capacity  # noqa: E402
 from sglang.srt.mem_cache.sparsity.kv_offload.device_pool import (  # noqa: E402
@@ -38,15 +36,12 @@ def test_staging_bounds_the_128k_batch_as_measured():
     assert point["flag_on_running_while_staging"] == 5
 
 
-@pytest.mark.parametrize(
-    "max_total_tokens, prompt, output, ran",
-    [(279040, 32768, 4096, 27), (266368, 131072, 2048, 5)],
-)
-def test_the_staging_bound_is_never_above_what_ran(max_total_tokens, prompt, output, ran):
+def test_the_staging_bound_is_not_above_what_a_burst_ran():
     """The bound counts every running request's index keys at its final length; upstream admits
-    against fewer while they decode, so a burst may run more (27 at 32K / 4K), never fewer."""
-    _, point = _h100_point(max_total_tokens, prompt, output)
-    assert point["flag_on_running_while_staging"] <= ran <= point["flag_on_requests"]
+    against fewer while they decode, so a burst may run more than it (27 at 32K / 4K, where it
+    says 25), never more than fit once staged (the 128K point, where they are equal, is above)."""
+    _, point = _h100_point(279040, 32768, 4096)
+    assert point["flag_on_running_while_staging"] <= 27 <= point["flag_on_requests"]
 
 
 def test_a_resident_request_stages_in_its_own_rows():
