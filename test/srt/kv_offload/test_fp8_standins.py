@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "standins"))
+# last on the path: the folder holds a deep_gemm stand-in that must not shadow the real one
+sys.path.append(str(Path(__file__).resolve().parent / "standins"))
 import kv_offload_standins as standins  # noqa: E402
 
 PAGE = 64
