@@ -35,6 +35,9 @@ if _needs_stubs and _STUBS not in sys.path:
 
 # The server harness the suites import (scripts/: tiny_server, tiny_server_proc, tiny_pd).
 sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+# The test-only torch references (standins/: kv_offload_standins), last on the path: the folder
+# holds a deep_gemm stand-in that must not shadow the real package on the GPU.
+sys.path.append(os.path.join(_HERE, "standins"))
 
 # Property tests draw the same examples on every run (CI must not go red on a new random draw);
 # HYPOTHESIS_PROFILE=explore draws fresh ones locally.

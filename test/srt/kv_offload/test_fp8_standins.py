@@ -16,15 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import kv_offload_standins as standins
 import pytest
 import torch
-
-# last on the path: the folder holds a deep_gemm stand-in that must not shadow the real one
-sys.path.append(str(Path(__file__).resolve().parent / "standins"))
-import kv_offload_standins as standins  # noqa: E402
 
 PAGE = 64
 ROW = 656  # 512 e4m3 values, 4 fp32 scales, 64 bf16 rope values

@@ -19,14 +19,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Tuple
 
+import kv_offload_standins as S
 import pytest
 import torch
 from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache
 from sglang.kernels.ops.quantization.dsa_quant_k_cache import quantize_k_cache
 
 TEST_DIR = Path(__file__).resolve().parent
-sys.path.append(str(TEST_DIR / "standins"))  # last: it holds the deep_gemm stand-in package
-import kv_offload_standins as S  # noqa: E402
 
 NOPE, ROPE, TILE, PAGE = 512, 64, 128, 64
 DIM = NOPE + ROPE  # 576: q and dequantized k
@@ -137,7 +136,7 @@ def test_reference_decode_reads_flat_token_indices():
 # ------------------------------------------------------------------------------------------------
 def import_real(name: str) -> ModuleType:
     """``name`` from outside this test folder (whose ``standins``/``cpu_stubs`` hold stand-ins of
-    the same name, which other test modules put first on ``sys.path``)."""
+    the same name on ``sys.path``)."""
     mod = sys.modules.get(name)
     if mod is not None and str(TEST_DIR) in str(getattr(mod, "__file__", "")):
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:

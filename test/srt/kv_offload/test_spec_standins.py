@@ -6,15 +6,9 @@ kernel it mirrors, run here under the Triton interpreter on the same random inpu
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import kv_offload_standins as standins
 import pytest
 import torch
-
-# last on the path: the folder holds a deep_gemm stand-in that must not shadow the real one
-sys.path.append(str(Path(__file__).resolve().parent / "standins"))
-import kv_offload_standins as standins  # noqa: E402
 
 POOL_LEN = 96
 

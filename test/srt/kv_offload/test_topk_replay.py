@@ -11,8 +11,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmark" / "kv_offload"))
-# last on the path: the folder holds a deep_gemm stand-in that must not shadow the real one
-sys.path.append(str(Path(__file__).resolve().parent / "standins"))
 import kv_offload_standins as standins  # noqa: E402
 from bench_serving_dsa import TOPK_REPLAY_PERIODS  # noqa: E402
 
