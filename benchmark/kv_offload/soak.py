@@ -679,10 +679,15 @@ def soak(target: Target, duration_s: float, window_s: float, seed: int) -> Dict:
 
 
 def git_commit() -> str:
-    """The checkout's short commit ('' where there is no git or no repository, e.g. a copied
-    work tree)."""
+    """The checkout's short commit, ``-dirty`` appended where tracked files differ from it (a work
+    tree copied over an older repository, as on the device machine); '' where there is no git or
+    no repository."""
     try:
-        run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+        run = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+            cwd=ROOT,
+            capture_output=True,
+        )
     except OSError:
         return ""
     return run.stdout.decode().strip()
