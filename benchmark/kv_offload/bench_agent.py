@@ -76,7 +76,7 @@ from bench_serving_dsa import (  # noqa: E402
     running_stats,
     wait_started,
 )
-from soak import git_commit, idle_problems  # noqa: E402
+from soak import idle_problems  # noqa: E402
 from tiny_server_proc import BenchServer, http, wait_until  # noqa: E402
 
 FIRST_TOKEN, LAST_TOKEN = 2, 500  # random prompt ids: past <s>/</s>, inside the tiny tokenizer
@@ -612,7 +612,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     report: Dict[str, Any] = {
         **report_head(a, argv),
-        "commit": git_commit(),
         "workload": {
             **asdict(w),
             "sessions": a.sessions,

@@ -1,14 +1,17 @@
-"""What the kv offload benchmarks share: the page size and the results files' JSON layout."""
+"""What the kv offload benchmarks share: the page size, the results files' JSON layout and the
+commit they record."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 PAGE = 64
 RESULTS_LINE = 160  # results_json's longest one-line list
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def results_json(doc: Any, level: int = 0) -> str:
@@ -38,3 +41,18 @@ def read_results(path: str) -> Any:
         with gzip.open(path, "rt") as f:
             return json.load(f)
     return json.loads(Path(path).read_text())
+
+
+def git_commit() -> str:
+    """The checkout's short commit, ``-dirty`` appended where tracked files differ from it (a work
+    tree copied over an older repository, as on the device machine); '' where there is no git or
+    no repository."""
+    try:
+        run = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+            cwd=ROOT,
+            capture_output=True,
+        )
+    except OSError:
+        return ""
+    return run.stdout.decode().strip()

@@ -60,7 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "scripts")]
 import tiny_server  # noqa: E402
-from bench_common import results_json  # noqa: E402
+from bench_common import git_commit, results_json  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
 from tiny_server_gpu import SETTLE_S, machine_info, parse_log, step_ms_by_batch  # noqa: E402
 from tiny_server_proc import BenchServer as Server  # noqa: E402
@@ -567,9 +567,10 @@ def add_server_options(p: argparse.ArgumentParser, layers: int, max_running: int
 
 
 def report_head(a: argparse.Namespace, argv: Optional[List[str]]) -> Dict[str, Any]:
-    """What every serving benchmark's results start with: machine, command and model."""
+    """What every serving benchmark's results start with: commit, machine, command and model."""
     _, env = tiny_server.build_command([], kernels=a.kernels)
     return {
+        "commit": git_commit(),
         "machine": machine_info(),
         "kernels": tiny_server.kernel_report(env),
         "server_env": {k: v for k, v in env.items() if k.startswith(("SGLANG_", "KV_OFFLOAD"))},

@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "scripts")]
 import tiny_server  # noqa: E402
-from bench_common import results_json  # noqa: E402
+from bench_common import git_commit, results_json  # noqa: E402
 from tiny_pd import PDPair  # noqa: E402
 from tiny_server import FP8_KV, FP8_ROW  # noqa: E402
 from tiny_server_proc import TinyServer, wait_until  # noqa: E402
@@ -676,21 +676,6 @@ def soak(target: Target, duration_s: float, window_s: float, seed: int) -> Dict:
     summary = tally.summary()
     summary.update(wall_s=round(time.time() - t0, 1), shm_left_by_upstream=theirs)
     return summary
-
-
-def git_commit() -> str:
-    """The checkout's short commit, ``-dirty`` appended where tracked files differ from it (a work
-    tree copied over an older repository, as on the device machine); '' where there is no git or
-    no repository."""
-    try:
-        run = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
-            cwd=ROOT,
-            capture_output=True,
-        )
-    except OSError:
-        return ""
-    return run.stdout.decode().strip()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:

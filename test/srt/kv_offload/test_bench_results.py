@@ -1,12 +1,14 @@
-"""benchmark/kv_offload/bench_common.results_json: the committed results' JSON layout."""
+"""benchmark/kv_offload/bench_common: the committed results' JSON layout and the commit they record."""
 
 import gzip
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmark" / "kv_offload"
 sys.path.insert(0, str(BENCH_DIR))
+import bench_common  # noqa: E402
 from bench_common import RESULTS_LINE, read_results, results_json  # noqa: E402
 
 
@@ -64,3 +66,27 @@ def test_a_results_file_is_committed_once():
     results = BENCH_DIR / "results"
     both = [p.name for p in results.glob("*.json.gz") if p.with_suffix("").exists()]
     assert not both, f"committed twice (plain and .gz): {both}"
+
+
+def test_git_commit_names_the_commit_and_marks_a_tree_that_differs_from_it(tmp_path, monkeypatch):
+    """A work tree copied over an older repository (the device machine's copy) must not pass for
+    that older commit."""
+    monkeypatch.setattr(bench_common, "ROOT", tmp_path)
+    assert bench_common.git_commit() == ""  # not a repository
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, check=True)
+        return run.stdout.decode().strip()
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    git("tag", "v1")  # a tag does not replace the hash
+    head = git("rev-parse", "--short=7", "HEAD")
+    assert bench_common.git_commit() == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert bench_common.git_commit() == f"{head}-dirty"
+    (tmp_path / "new.py").write_text("")  # untracked files do not count
+    (tmp_path / "f.py").write_text("a = 1\n")
+    assert bench_common.git_commit() == head
