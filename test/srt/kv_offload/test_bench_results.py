@@ -1,4 +1,5 @@
-"""benchmark/kv_offload/bench_common: the committed results' JSON layout and the commit they record."""
+"""benchmark/kv_offload/bench_common: the committed results' JSON layout and the commit they
+record."""
 
 import gzip
 import json
